@@ -1,0 +1,46 @@
+"""Shared fixtures: the golden folder recorded from the official implementation."""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+GOLDEN = Path(os.environ.get("QWEN3_TTS_GOLDEN", Path(__file__).resolve().parents[1].parent / "shared" / "golden"))
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def _need_golden():
+    if not (GOLDEN / "tiny-model" / "config.json").is_file():
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"golden data not found at {GOLDEN} (set QWEN3_TTS_GOLDEN); CI must run these tests")
+        pytest.skip(f"golden data not found at {GOLDEN} (set QWEN3_TTS_GOLDEN)")
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    _need_golden()
+    return GOLDEN
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(golden_dir) -> Path:
+    return golden_dir / "tiny-model"
+
+
+@pytest.fixture(scope="session")
+def golden_cases(golden_dir) -> dict:
+    """cases.json indexed by case name."""
+    index = json.loads((golden_dir / "cases" / "cases.json").read_text())
+    return {c["name"]: c for c in index["cases"]}
+
+
+@pytest.fixture(scope="session")
+def golden_npz(golden_dir):
+    """load(name) -> dict of arrays of cases/<name>.npz."""
+    def load(name: str) -> dict:
+        with np.load(golden_dir / "cases" / f"{name}.npz") as z:
+            return {k: z[k] for k in z.files}
+    return load
