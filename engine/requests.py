@@ -1,0 +1,80 @@
+"""What a caller hands the scheduler and what it gets back.
+
+These plain dataclasses are the whole contract between the server (`app/`) and the engine: the
+server builds a `SpeechRequest`, submits it, and reads `AudioChunk`s until a `TurnResult`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Talker and code-predictor sampling; defaults are generation_config.json of the 0.6B model.
+
+    `greedy` makes both the talker and the code predictor take the argmax (the repetition penalty
+    still applies to the talker, as in the official code). `seed` None means a random seed.
+    """
+    greedy: bool = False
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    subtalker_greedy: Optional[bool] = None  # None: same as `greedy`
+    subtalker_temperature: float = 0.9
+    subtalker_top_k: int = 50
+    subtalker_top_p: float = 1.0
+    seed: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class VoicePrompt:
+    """A cloned voice: the x-vector, plus the reference codes and text ids in ICL mode."""
+    xvector: torch.Tensor                          # [talker hidden] float32, CPU
+    ref_codes: Optional[torch.Tensor] = None       # [T_ref, 16] int64, CPU (ICL only)
+    ref_text_ids: Optional[list[int]] = None       # reference text token ids R (ICL only)
+
+    @property
+    def icl(self) -> bool:
+        return self.ref_codes is not None
+
+
+@dataclass
+class SpeechRequest:
+    """One turn to speak.
+
+    `text` is the whole turn when `text_complete` is True; otherwise more text arrives through the
+    handle (`RequestHandle.push_text` / `finish_text`) and the model starts before it is complete.
+    """
+    text: str
+    voice: VoicePrompt
+    language: str = "auto"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    text_complete: bool = True
+    max_frames: Optional[int] = None   # None: the model's max_new_tokens - 1
+    non_streaming_text: bool = False   # the "full text in the prefill" layout of the official code
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """A piece of a turn's 24 kHz float32 audio, in order, with where it sits in the turn."""
+    pcm: np.ndarray          # float32 [n] in [-1, 1]
+    frame_offset: int        # first codec frame of this chunk, counted from the turn's start
+    sample_offset: int       # first sample of this chunk, counted from the turn's start (24 kHz)
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """How a turn ended; the last item an audio iterator yields."""
+    reason: str              # "eos" | "max_frames" | "cancelled" | "error"
+    frames: int              # codec frames generated (and streamed, unless cancelled)
+    samples: int             # samples streamed = frames * 1920 when not cancelled
+    queue_ms: float = 0.0    # submit -> prefill start
+    ttfa_ms: float = 0.0     # submit -> first audio chunk ready
+    error: Optional[str] = None
+    codes: Optional[np.ndarray] = None  # [frames, 16] int64 when the request asked to keep them
