@@ -59,3 +59,92 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x: [B, heads, T, head_dim]; cos/sin: [B, T, head_dim] (broadcast over heads)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
+
+
+def causal_mask(start: torch.Tensor, t: int, kmax: int) -> torch.Tensor:
+    """Boolean mask [B, 1, t, kmax]: query i of row b sees keys j <= start[b] + i.
+
+    Built from tensors only (no host sync), so one mask serves every layer of a forward and the
+    decode step keeps static shapes for a given (t, kmax).
+    """
+    query_pos = start[:, None] + torch.arange(t, device=start.device)              # [B, t]
+    keys = torch.arange(kmax, device=start.device)
+    return (keys[None, None, :] <= query_pos[:, :, None])[:, None]                 # [B, 1, t, kmax]
+
+
+class Attention(nn.Module):
+    """Qwen3 attention: QK-norm before RoPE, grouped KV heads, K/V kept in a slot cache.
+
+    GQA uses the repeat-interleave layout (KV head j serves Q heads j*g .. j*g+g-1). Instead of
+    repeating K/V, the g query heads of a group are folded into the query length, so every KV head is
+    read once: [B, Hq, T, Dh] -> [B, Hkv, g*T, Dh] with the mask tiled g times.
+    """
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x, cos, sin, cache, layer: int, start, slots, mask):
+        """x [B,T,hidden]; writes this step's K/V at positions start[b]+t, attends over mask's keys."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(layer, k.transpose(1, 2), v, start, slots)
+        keys, values = cache.read(layer, b, mask.shape[-1], slots)                  # [B, kmax, Hkv, Dh]
+        g = self.heads // self.kv_heads
+        q = q.reshape(b, self.kv_heads, g * t, self.head_dim)
+        out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask.repeat(1, 1, g, 1))
+        return self.o_proj(out.reshape(b, self.heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h))."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                   cfg.head_dim, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, cache, layer: int, start, slots, mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, slots, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    """`layers.N` + final `norm` with 1-D RoPE over a KVCache (the talker's and code predictor's `model`).
+
+    Subclasses add their embeddings, so parameter names stay those of the checkpoint.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
+
+    def forward(self, x, cache, start, slots=None, kmax=None):
+        """x [B,T,D] at positions start[b]..start[b]+T-1 of slot slots[b] (row b when None).
+
+        Returns the final-normed hidden states [B,T,D]. Attention covers keys 0..kmax-1 (default: the
+        whole cache capacity); kmax must exceed max(start)+T-1 for the rows whose outputs are used.
+        """
+        t = x.shape[1]
+        kmax = cache.capacity if kmax is None else kmax
+        positions = start[:, None] + torch.arange(t, device=start.device)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        mask = causal_mask(start, t, kmax)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, start, slots, mask)
+        return self.norm(x)

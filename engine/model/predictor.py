@@ -1,0 +1,74 @@
+"""The code predictor ("sub-talker"): codebooks 1..15 of a frame from the talker's hidden state.
+
+MODEL.md section 3. Parameter names mirror `talker.code_predictor.*` of the checkpoint:
+`model.layers.N.*`, `model.norm`, `model.codec_embedding.{0..14}` (embeds codebook i+1) and
+`lm_head.{0..14}` (predicts codebook i+1). For 0.6B `small_to_mtp_projection` is the identity and has
+no weights; configs where it is not are rejected by `engine.config.load_config`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..config import PredictorConfig
+from ..kv_cache import KVCache
+from .layers import DecoderStack
+
+SampleFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+class PredictorModel(DecoderStack):
+    def __init__(self, cfg: PredictorConfig, talker_hidden: int):
+        super().__init__(cfg.transformer)
+        # The embedding width is the talker's hidden size (MODEL.md T13).
+        self.codec_embedding = nn.ModuleList(nn.Embedding(cfg.vocab_size, talker_hidden)
+                                             for _ in range(cfg.num_code_groups - 1))
+
+
+class CodePredictor(nn.Module):
+    def __init__(self, cfg: PredictorConfig, talker_hidden: int):
+        super().__init__()
+        self.cfg = cfg
+        self.num_steps = cfg.num_code_groups - 1
+        self.model = PredictorModel(cfg, talker_hidden)
+        self.lm_head = nn.ModuleList(nn.Linear(cfg.transformer.hidden_size, cfg.vocab_size, bias=False)
+                                     for _ in range(self.num_steps))
+
+    def new_cache(self, num_slots: int) -> KVCache:
+        """A cache for `num_slots` rows of one frame (num_code_groups positions each).
+
+        It needs no reset between frames: every position a step reads was written earlier in the
+        same frame, so one cache, allocated once, serves every frame (CUDA-graph friendly).
+        """
+        t = self.cfg.transformer
+        w = self.lm_head[0].weight
+        return KVCache(t.num_hidden_layers, num_slots, self.cfg.num_code_groups, t.num_key_value_heads,
+                       t.head_dim, w.dtype, w.device)
+
+    def predict(self, h: torch.Tensor, c0_embed: torch.Tensor, sample_fn: SampleFn,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """Codes [B, 15] (codebooks 1..15) of one frame for rows 0..B-1.
+
+        h: [B, D] the talker's final-normed hidden state at the position whose logits gave c0.
+        c0_embed: [B, D] the TALKER codec embedding of c0 (`Talker.embed_codec(c0)`; see
+          `Talker.predict_codes`, which does this for you).
+        sample_fn(logits [B, vocab] fp32, group) -> ids [B]: picks codebook `group` (1..15).
+        cache: from `new_cache(n)` with n >= B, reused across frames; None allocates one.
+        Step 1 runs the 2 positions [h, c0_embed] at positions 0, 1; step s runs CPE[s-1](c_{s-1})
+        at position s. Positions restart at 0 every frame (MODEL.md 3.2).
+        """
+        b = h.shape[0]
+        cache = self.new_cache(b) if cache is None else cache
+        x = torch.stack([h, c0_embed], dim=1)
+        start = torch.zeros(b, dtype=torch.long, device=h.device)
+        codes = []
+        for step in range(1, self.num_steps + 1):
+            hidden = self.model(x, cache, start, kmax=step + 1)
+            ids = sample_fn(self.lm_head[step - 1](hidden[:, -1]).float(), step)
+            codes.append(ids)
+            if step < self.num_steps:
+                x = self.model.codec_embedding[step - 1](ids)[:, None]
+                start = torch.full((b,), step + 1, dtype=torch.long, device=h.device)
+        return torch.stack(codes, dim=1)

@@ -1,0 +1,97 @@
+"""The talker: a Qwen3-style LM over codec tokens, conditioned on projected text embeddings.
+
+MODEL.md section 2. Parameter names mirror `talker.*` of the checkpoint, so
+`load_into(Talker(cfg.talker, cfg.predictor), tensors, "talker.")` loads the whole tree, the code
+predictor included. M-RoPE with three identical position axes is plain 1-D RoPE (MODEL.md T15).
+
+Typical use by a runner (all tensors batched, rows = slots):
+    cache = talker.new_cache(num_slots, capacity)
+    hidden = talker(embeds, cache, start, slots=slots)       # prefill, right-padded rows
+    logits = talker.logits(hidden[rows, lengths - 1])         # [B, vocab] fp32
+    ... c0 = sample(...)
+    rest = talker.predict_codes(h, c0, sample_fn, cp_cache)   # [B, 15]
+    x = talker.embed_frame(cat([c0[:, None], rest], 1)) + text_term
+    hidden = talker(x[:, None], cache, lengths, kmax=bucket)  # decode over slots 0..B-1
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import PredictorConfig, TalkerConfig
+from ..kv_cache import KVCache
+from .layers import DecoderStack
+from .predictor import CodePredictor, SampleFn
+
+
+class TalkerModel(DecoderStack):
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__(cfg.transformer)
+        self.text_embedding = nn.Embedding(cfg.text_vocab_size, cfg.text_hidden_size)
+        self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.transformer.hidden_size)
+
+
+class TextProjection(nn.Module):
+    """ResizeMLP: fc2(silu(fc1(x))), with biases."""
+
+    def __init__(self, text_hidden: int, hidden: int):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(text_hidden, text_hidden, bias=True)
+        self.linear_fc2 = nn.Linear(text_hidden, hidden, bias=True)
+
+    def forward(self, x):
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class Talker(nn.Module):
+    def __init__(self, cfg: TalkerConfig, predictor_cfg: PredictorConfig):
+        super().__init__()
+        self.cfg = cfg
+        hidden = cfg.transformer.hidden_size
+        self.model = TalkerModel(cfg)
+        self.text_projection = TextProjection(cfg.text_hidden_size, hidden)
+        self.codec_head = nn.Linear(hidden, cfg.vocab_size, bias=False)
+        self.code_predictor = CodePredictor(predictor_cfg, hidden)
+
+    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
+        """A talker KV cache of `num_slots` sequences of up to `capacity` positions."""
+        t = self.cfg.transformer
+        w = self.codec_head.weight
+        return KVCache(t.num_hidden_layers, num_slots, capacity, t.num_key_value_heads, t.head_dim,
+                       w.dtype, w.device)
+
+    def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
+        """E_t(ids) = text_projection(text_embedding(ids)) -> [..., D]."""
+        return self.text_projection(self.model.text_embedding(ids))
+
+    def embed_codec(self, ids: torch.Tensor) -> torch.Tensor:
+        """E_c(ids): the talker codec embedding (vocab 3072: codes and control ids) -> [..., D]."""
+        return self.model.codec_embedding(ids)
+
+    def embed_frame(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [..., 16] -> [..., D]: E_c(c0) + sum_g CPE[g](c_g) as ONE reduction (MODEL.md T17)."""
+        parts = [self.model.codec_embedding(codes[..., 0])]
+        parts += [emb(codes[..., g + 1]) for g, emb in enumerate(self.code_predictor.model.codec_embedding)]
+        return torch.stack(parts, dim=-2).sum(dim=-2)
+
+    def forward(self, embeds: torch.Tensor, cache: KVCache, start: torch.Tensor,
+                slots: torch.Tensor | None = None, kmax: int | None = None) -> torch.Tensor:
+        """Final-normed hidden states [B,T,D] of embeds [B,T,D] at positions start[b]..start[b]+T-1.
+
+        K/V are written into the cache at those positions of slot slots[b] (row b = slot b when slots
+        is None: the decode pattern, no gather). Query t of row b sees keys 0..start[b]+t. Rows may be
+        right-padded: their padded positions produce garbage that lands after their real tokens.
+        kmax (python int, > max(start)+T-1 of the rows you use) limits the keys read; None reads the
+        whole capacity (exact too, only slower). No host sync either way.
+        """
+        return self.model(embeds, cache, start, slots, kmax)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """codec_head in the model dtype, then fp32 (MODEL.md 6.2 step 1) -> [..., vocab]."""
+        return self.codec_head(hidden).float()
+
+    def predict_codes(self, h: torch.Tensor, c0: torch.Tensor, sample_fn: SampleFn,
+                      cache: KVCache | None = None) -> torch.Tensor:
+        """Codebooks 1..15 [B,15] of the frame whose first code c0 [B] came from hidden h [B,D]."""
+        return self.code_predictor.predict(h, self.embed_codec(c0), sample_fn, cache)
