@@ -1,0 +1,216 @@
+"""Batched logits processing (MODEL.md 6.2 / 6.3) and batch-invariant seeded sampling.
+
+Every parameter is a per-row tensor, so one call serves a batch of requests with different settings,
+with no host sync and no per-row Python loop.
+
+Randomness does not come from a torch generator: the noise for (seed, frame, codebook, token id) is a
+counter-based hash (splitmix64 in int64 torch ops, on the device). A row's draws therefore depend only
+on its own seed and progress, never on its batch companions or on other rows' draws. Sampling is
+Gumbel-max: argmax(logits + Gumbel noise) is an exact draw from softmax(logits) (noise in float64).
+
+Typical use per decode step (rows 0..B-1):
+    processor = TalkerLogitsProcessor(cfg.talker.vocab_size, cfg.talker.codec_eos_token_id, device)
+    params = SamplingTensors.from_params([req.sampling for req in batch], device)
+    c0 = sample_talker(processor, logits, seen, generated, params)   # generated[b] = frame index
+    mark_seen(seen, c0)
+    sub_fn = lambda logits, group: sample_subtalker(logits, group, frame, params)
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, fields
+
+import torch
+
+from .requests import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+_TOKEN_BITS = 12     # token ids < 4096
+_GROUP_BITS = 5      # codebooks < 32
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 tensors (multiplications wrap mod 2^64)."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def random_bits(seed: torch.Tensor, frame: torch.Tensor, codebook: int, vocab: int) -> torch.Tensor:
+    """int64 [B, vocab]: element `counter` of the splitmix64 stream keyed by mix64(seed[b]).
+
+    counter = ((frame[b] * 32 + codebook) << 12) + token id, so every (frame, codebook, token) of a
+    row gets its own draw.
+    """
+    if vocab > 1 << _TOKEN_BITS:
+        raise ValueError(f"vocab {vocab} exceeds {1 << _TOKEN_BITS}")
+    tokens = torch.arange(vocab, dtype=torch.long, device=seed.device)
+    counter = ((frame[:, None] * (1 << _GROUP_BITS) + codebook) << _TOKEN_BITS) + tokens
+    return mix64(mix64(seed)[:, None] + counter * _GOLDEN)
+
+
+def gumbel_noise(seed: torch.Tensor, frame: torch.Tensor, codebook: int, vocab: int) -> torch.Tensor:
+    """float64 [B, vocab] standard Gumbel noise -log(-log(u)), u = (52 random bits + 0.5) / 2^52 in (0, 1)."""
+    u = (_shr(random_bits(seed, frame, codebook, vocab), 12).double() + 0.5) * 2.0 ** -52
+    return -torch.log(-torch.log(u))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters as device tensors, all [B].
+
+    `*_top_p_any` are host flags (known when the rows are built): False lets the top-p sort be
+    skipped for the whole batch. `assign` keeps them conservative (once True, stays True).
+    """
+    greedy: torch.Tensor              # bool
+    temperature: torch.Tensor         # float32
+    top_k: torch.Tensor               # int64, <= 0 means no top-k
+    top_p: torch.Tensor               # float64 (1 - top_p as HF computes it), 1.0 means no top-p
+    repetition_penalty: torch.Tensor  # float32
+    sub_greedy: torch.Tensor
+    sub_temperature: torch.Tensor
+    sub_top_k: torch.Tensor
+    sub_top_p: torch.Tensor           # float64
+    seed: torch.Tensor                # int64
+    talker_top_p_any: bool = True
+    sub_top_p_any: bool = True
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "SamplingTensors":
+        """Rows from SamplingParams; a None seed becomes a fresh random one (see `.seed`)."""
+        for p in params:
+            for greedy, temp, top_p in ((p.greedy, p.temperature, p.top_p),
+                                        (_sub_greedy(p), p.subtalker_temperature, p.subtalker_top_p)):
+                if not greedy and not temp > 0:
+                    raise ValueError(f"temperature must be > 0 when sampling, got {temp}")
+                if not 0 < top_p <= 1:
+                    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        seeds = [(secrets.randbits(63) if p.seed is None else p.seed) % (1 << 63) for p in params]
+        return cls(
+            greedy=col([p.greedy for p in params], torch.bool),
+            temperature=col([p.temperature for p in params], torch.float32),
+            top_k=col([p.top_k for p in params], torch.long),
+            top_p=col([p.top_p for p in params], torch.float64),
+            repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
+            sub_greedy=col([_sub_greedy(p) for p in params], torch.bool),
+            sub_temperature=col([p.subtalker_temperature for p in params], torch.float32),
+            sub_top_k=col([p.subtalker_top_k for p in params], torch.long),
+            sub_top_p=col([p.subtalker_top_p for p in params], torch.float64),
+            seed=col(seeds, torch.long),
+            talker_top_p_any=any(p.top_p < 1 and not p.greedy for p in params),
+            sub_top_p_any=any(p.subtalker_top_p < 1 and not _sub_greedy(p) for p in params),
+        )
+
+    def _tensors(self):
+        return [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    def assign(self, slots: torch.Tensor, rows: "SamplingTensors") -> None:
+        """In place: row slots[i] of self := row i of `rows` (slot-indexed state of a runner)."""
+        for name in self._tensors():
+            getattr(self, name)[slots] = getattr(rows, name)
+        self.talker_top_p_any |= rows.talker_top_p_any
+        self.sub_top_p_any |= rows.sub_top_p_any
+
+    def head(self, n: int) -> "SamplingTensors":
+        """Views of rows 0..n-1 (the decode batch over slots 0..n-1)."""
+        return SamplingTensors(**{name: getattr(self, name)[:n] for name in self._tensors()},
+                               talker_top_p_any=self.talker_top_p_any, sub_top_p_any=self.sub_top_p_any)
+
+
+def _sub_greedy(p: SamplingParams) -> bool:
+    return p.greedy if p.subtalker_greedy is None else p.subtalker_greedy
+
+
+def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """HF rule on ids marked in seen [B,V]: negative logits * penalty, others / penalty (fp32)."""
+    p = penalty[:, None]
+    return torch.where(seen, torch.where(logits < 0, logits * p, logits / p), logits)
+
+
+class TalkerLogitsProcessor:
+    """MODEL.md 6.2 steps 2-4 for the talker: repetition penalty, min-new-tokens, suppression.
+
+    Suppressed: ids [vocab-1024, vocab) except EOS (the official `suppress_tokens`). EOS is masked
+    while a row has generated fewer than `min_new_tokens` tokens.
+    """
+
+    def __init__(self, vocab_size: int, eos_id: int, device: torch.device | str = "cpu", min_new_tokens: int = 2):
+        ids = torch.arange(vocab_size, device=device)
+        self.suppress = (ids >= vocab_size - 1024) & (ids != eos_id)
+        self.is_eos = ids == eos_id
+        self.min_new_tokens = min_new_tokens
+
+    def __call__(self, logits: torch.Tensor, seen: torch.Tensor, generated: torch.Tensor,
+                 penalty: torch.Tensor) -> torch.Tensor:
+        """logits fp32 [B,V]; seen bool [B,V] (c0 ids generated so far); generated int64 [B]."""
+        logits = repetition_penalty(logits, seen, penalty)
+        blocked = self.suppress | (self.is_eos & (generated < self.min_new_tokens)[:, None])
+        return logits.masked_fill(blocked, _NEG_INF)
+
+
+def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+         top_p_any: bool = True) -> torch.Tensor:
+    """Temperature, then top-k (values < the k-th largest removed: ties survive), then top-p.
+
+    Top-p follows HF TopPLogitsWarper: sort ascending, remove tokens whose cumulative probability is
+    <= 1 - top_p, always keep the most likely one; rows with top_p == 1 are untouched.
+    """
+    vocab = logits.shape[-1]
+    logits = logits / temperature[:, None]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(1, vocab)
+    kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    logits = logits.masked_fill(logits < kth, _NEG_INF)
+    if not top_p_any:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove = (cum <= (1 - top_p).float()[:, None]) & (top_p < 1)[:, None]
+    remove[:, -1] = False
+    return logits.masked_fill(remove.scatter(1, order, remove), _NEG_INF)
+
+
+def sample(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+           top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: int,
+           top_p_any: bool = True) -> torch.Tensor:
+    """ids [B]: argmax of logits where greedy, else a seeded draw from softmax(warp(logits))."""
+    warped = warp(logits, temperature, top_k, top_p, top_p_any)
+    drawn = (warped.double() + gumbel_noise(seed, frame, codebook, logits.shape[-1])).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+
+
+def sample_talker(processor: TalkerLogitsProcessor, logits: torch.Tensor, seen: torch.Tensor,
+                  generated: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
+    """c0 [B] from raw fp32 talker logits [B,V]; `generated` [B] = c0 tokens generated so far by the
+    row (also the frame index keying its noise, codebook 0)."""
+    logits = processor(logits, seen, generated, p.repetition_penalty)
+    return sample(logits, p.greedy, p.temperature, p.top_k, p.top_p, p.seed, generated, 0, p.talker_top_p_any)
+
+
+def sample_subtalker(logits: torch.Tensor, group: int, frame: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
+    """Codebook `group` (1..15) ids [B] from fp32 code-predictor logits (MODEL.md 6.3: no penalty,
+    no suppression). `frame` [B] is the row's index of the frame being completed."""
+    return sample(logits, p.sub_greedy, p.sub_temperature, p.sub_top_k, p.sub_top_p, p.seed, frame, group,
+                  p.sub_top_p_any)
+
+
+def mark_seen(seen: torch.Tensor, ids: torch.Tensor) -> None:
+    """In place: add ids [B] to each row's c0 history seen [B,V] (duplicates count once)."""
+    seen.scatter_(1, ids[:, None], True)
