@@ -1,0 +1,373 @@
+"""Speech-tokenizer decoder (`decoder.*`): 16 codes per 80 ms frame -> 1920 samples at 24 kHz.
+
+MODEL.md section 7. Every operation is causal, so output sample n depends only on frames <= n // 1920
+and the decoder can stream exactly. To make that a property of the code rather than a second
+implementation, every op that looks back in time takes its left context explicitly: the modules
+below read `context[op]` (the tail of what the op saw before: a conv's last input samples, the
+attention's last window-1 keys and values) and replace it with the tail after this window. A whole
+utterance is the same forward with a zero context, which is exactly the official zero padding; a
+stream keeps the context between windows in `VocoderStreams`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DecoderConfig
+from .layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
+
+# Checkpoint tensors the decode path never reads (the RVQ input projections serve encoding only);
+# pass to `engine.weights.warn_unused(..., ignore_prefixes=...)` with the "decoder." prefix.
+UNUSED_KEYS = ("quantizer.rvq_first.input_proj.", "quantizer.rvq_rest.input_proj.")
+
+
+def _prepend_context(op: nn.Module, x: torch.Tensor, context: dict) -> torch.Tensor:
+    """[op's left context, x] along time; stores the last op.context_len samples as the next context."""
+    x = torch.cat([context[op], x], dim=-1)
+    context[op] = x[..., x.shape[-1] - op.context_len:]
+    return x
+
+
+class CausalConv1d(nn.Module):
+    """Stride-1 conv whose left pad, (k-1)*dilation samples, is the previous input (zeros at the start)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1, groups: int = 1):
+        super().__init__()
+        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
+        self.context_len = (kernel_size - 1) * dilation
+        self.context_shape = (in_channels, self.context_len)
+
+    def forward(self, x: torch.Tensor, context: dict) -> torch.Tensor:
+        if self.context_len == 0:
+            return self.conv(x)
+        return self.conv(_prepend_context(self, x, context))
+
+
+class CausalConvTranspose1d(nn.Module):
+    """ConvTranspose1d(k, stride s) keeping output samples [t*s, (t+1)*s) per input t (drops the last k-s, T22).
+
+    Those samples also depend on the ceil(k/s)-1 previous inputs, which are its context.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
+        self.stride = stride
+        self.context_len = math.ceil(kernel_size / stride) - 1
+        self.context_shape = (in_channels, self.context_len)
+
+    def forward(self, x: torch.Tensor, context: dict) -> torch.Tensor:
+        n = x.shape[-1] * self.stride
+        if self.context_len == 0:
+            return self.conv(x)[..., :n]
+        first = self.context_len * self.stride            # output of the context inputs, already emitted
+        return self.conv(_prepend_context(self, x, context))[..., first:first + n]
+
+
+class SnakeBeta(nn.Module):
+    """x + 1/(exp(beta) + 1e-9) * sin(x * exp(alpha))^2, per channel (log-scale alpha, beta)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(channels))
+        self.beta = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = torch.exp(self.alpha)[None, :, None]
+        beta = torch.exp(self.beta)[None, :, None]
+        return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    """Causal depthwise conv k7 -> LayerNorm(1e-6) -> Linear 4x -> exact GELU -> Linear -> gamma, residual."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, context: dict) -> torch.Tensor:
+        h = self.norm(self.dwconv(x, context).transpose(1, 2))
+        h = self.gamma * self.pwconv2(F.gelu(self.pwconv1(h)))
+        return x + h.transpose(1, 2)
+
+
+class ResidualUnit(nn.Module):
+    def __init__(self, dim: int, dilation: int):
+        super().__init__()
+        self.act1 = SnakeBeta(dim)
+        self.conv1 = CausalConv1d(dim, dim, 7, dilation=dilation)
+        self.act2 = SnakeBeta(dim)
+        self.conv2 = CausalConv1d(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor, context: dict) -> torch.Tensor:
+        h = self.conv1(self.act1(x), context)
+        return x + self.conv2(self.act2(h), context)
+
+
+class DecoderBlock(nn.Module):
+    """SnakeBeta, upsampling ConvTranspose(2r, r), residual units with dilations 1, 3, 9."""
+
+    def __init__(self, in_dim: int, out_dim: int, rate: int):
+        super().__init__()
+        self.block = nn.ModuleList([SnakeBeta(in_dim), CausalConvTranspose1d(in_dim, out_dim, 2 * rate, rate),
+                                    *(ResidualUnit(out_dim, d) for d in (1, 3, 9))])
+
+    def forward(self, x: torch.Tensor, context: dict) -> torch.Tensor:
+        x = self.block[1](self.block[0](x), context)
+        for unit in self.block[2:]:
+            x = unit(x, context)
+        return x
+
+
+class Codebook(nn.Module):
+    """One VQ codebook stored as running sums: vector = embedding_sum / clamp(cluster_usage, 1e-5) (T20)."""
+
+    def __init__(self, size: int, dim: int):
+        super().__init__()
+        self.cluster_usage = nn.Parameter(torch.ones(size))
+        self.embedding_sum = nn.Parameter(torch.zeros(size, dim))
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        # Gathering the rows first divides the same numbers as dividing the whole table (module dtype).
+        usage = F.embedding(codes, self.cluster_usage[:, None]).clamp(min=1e-5)
+        return F.embedding(codes, self.embedding_sum) / usage
+
+
+class ResidualQuantizer(nn.Module):
+    """Codebook vectors of several codebooks summed in order, then `output_proj` (1x1 conv, no bias)."""
+
+    def __init__(self, num_codebooks: int, size: int, dim: int, out_dim: int):
+        super().__init__()
+        self.vq = nn.ModuleDict({"layers": nn.ModuleList(
+            nn.ModuleDict({"_codebook": Codebook(size, dim)}) for _ in range(num_codebooks))})
+        self.output_proj = nn.Conv1d(dim, out_dim, 1, bias=False)
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, T, n] -> [B, out_dim, T]."""
+        layers = self.vq["layers"]
+        q = layers[0]["_codebook"](codes[..., 0])
+        for g in range(1, len(layers)):
+            q = q + layers[g]["_codebook"](codes[..., g])
+        return self.output_proj(q.transpose(1, 2))
+
+
+class SplitQuantizer(nn.Module):
+    """Semantic codebook 0 (`rvq_first`) and acoustic 1..15 (`rvq_rest`) with their own projections."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        dim, n_first = cfg.codebook_dim // 2, cfg.num_semantic_quantizers
+        self.n_first = n_first
+        self.rvq_first = ResidualQuantizer(n_first, cfg.codebook_size, dim, cfg.codebook_dim)
+        self.rvq_rest = ResidualQuantizer(cfg.num_quantizers - n_first, cfg.codebook_size, dim, cfg.codebook_dim)
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.rvq_first(codes[..., :self.n_first]) + self.rvq_rest(codes[..., self.n_first:])
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+class WindowAttention(nn.Module):
+    """Causal sliding-window attention (query at p sees keys p-window < j <= p, T21), no QK-norm.
+
+    Its context is the last window-1 keys (after RoPE) and values, [B, 2, kv_heads, window-1, head_dim].
+    """
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.context_len = cfg.sliding_window - 1
+        self.context_shape = (2, self.kv_heads, self.context_len, self.head_dim)
+
+    def forward(self, x, cos, sin, mask, context: dict) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv = torch.cat([context[self], torch.stack([k, v], dim=1)], dim=3)   # [B, 2, Hkv, S + t, Dh]
+        context[self] = kv[:, :, :, t:]
+        out = F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=mask,
+                                             enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.self_attn = WindowAttention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn_layer_scale = LayerScale(cfg.hidden_size)
+        self.mlp_layer_scale = LayerScale(cfg.hidden_size)
+
+    def forward(self, h, cos, sin, mask, context: dict) -> torch.Tensor:
+        h = h + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(h), cos, sin, mask, context))
+        return h + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(h)))
+
+
+class Transformer(nn.Module):
+    """`pre_transformer`: input_proj, sliding-window layers with RoPE (theta 1e4), norm, output_proj."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
+        self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
+        self.window = cfg.sliding_window
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """Move inv_freq with the module but keep it fp32: cos/sin are computed in fp32 (section 11)."""
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.norm.weight.device)
+        return self
+
+    def forward(self, x: torch.Tensor, start: torch.Tensor, context: dict) -> torch.Tensor:
+        """x [B, t, latent] at positions start[b]..start[b]+t-1; context holds the previous window-1."""
+        t, past = x.shape[1], self.window - 1
+        positions = start[:, None] + torch.arange(t, device=x.device)                 # [B, t]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        # Key k of [context, x] sits at position start - past + k; query i at start + i.
+        key = torch.arange(past + t, device=x.device)
+        query = torch.arange(t, device=x.device)[:, None]
+        in_window = (key >= query) & (key <= query + past)                          # [t, past + t]
+        mask = in_window & (key >= past - start[:, None, None])                      # [B, t, past + t]
+        h = self.input_proj(x)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask[:, None], context)
+        return self.output_proj(self.norm(h))
+
+
+class Vocoder(nn.Module):
+    """The speech-tokenizer decoder, parameter names as under `decoder.` of speech_tokenizer/model.safetensors."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.quantizer = SplitQuantizer(cfg)
+        self.pre_conv = CausalConv1d(cfg.codebook_dim, cfg.latent_dim, 3)
+        self.pre_transformer = Transformer(cfg)
+        self.upsample = nn.ModuleList(
+            nn.ModuleList([CausalConvTranspose1d(cfg.latent_dim, cfg.latent_dim, r, r), ConvNeXtBlock(cfg.latent_dim)])
+            for r in cfg.upsampling_ratios)
+        dims = [cfg.decoder_dim // 2 ** i for i in range(len(cfg.upsample_rates) + 1)]
+        self.decoder = nn.ModuleList([
+            CausalConv1d(cfg.latent_dim, cfg.decoder_dim, 7),
+            *(DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(cfg.upsample_rates)),
+            SnakeBeta(dims[-1]),
+            CausalConv1d(dims[-1], 1, 7),
+        ])
+        self.samples_per_frame = math.prod(cfg.upsampling_ratios) * math.prod(cfg.upsample_rates)
+
+    def initial_context(self, batch: int, device=None, dtype=None) -> dict:
+        """Zero left context of every op that has one: the state of a stream before its first frame."""
+        p = self.pre_conv.conv.weight
+        return {m: torch.zeros(batch, *m.context_shape, device=device or p.device, dtype=dtype or p.dtype)
+                for m in self.modules() if getattr(m, "context_len", 0) > 0}
+
+    def forward(self, codes: torch.Tensor, start: torch.Tensor, context: dict) -> torch.Tensor:
+        """codes [B, t, 16] in 0..2047, the frames start[b].. of each row -> wav [B, t*1920] (module dtype).
+
+        `context` (from `initial_context` or a previous call) is updated in place to follow these frames.
+        """
+        h = self.pre_conv(self.quantizer(codes), context)
+        h = self.pre_transformer(h.transpose(1, 2), start, context).transpose(1, 2)
+        for upsample, convnext in self.upsample:
+            h = convnext(upsample(h, context), context)
+        h = self.decoder[0](h, context)
+        for block in self.decoder[1:-2]:
+            h = block(h, context)
+        wav = self.decoder[-1](self.decoder[-2](h), context)
+        return wav.squeeze(1).clamp(min=-1, max=1)
+
+    @torch.no_grad()
+    def decode_unchunked(self, codes: torch.Tensor) -> torch.Tensor:
+        """All T frames in one pass (positions 0..T-1, zero padding): what streaming reproduces. fp32 [B, T*1920]."""
+        start = torch.zeros(codes.shape[0], dtype=torch.long, device=codes.device)
+        return self(codes, start, self.initial_context(codes.shape[0])).float()
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor, lengths: torch.Tensor | None = None,
+               chunk: int = 300, left_context: int = 25) -> tuple[torch.Tensor, torch.Tensor]:
+        """The official final decode (section 7.7-7.8): codes [B, T, 16], rows padded with -1.
+
+        Returns fp32 wav [B, T*1920] (zero past each row's end) and the valid samples per row,
+        lengths*1920 (lengths default: the frames whose first code is not -1).
+        """
+        if lengths is None:
+            lengths = (codes[..., 0] >= 0).sum(1)
+        codes = codes.clamp(min=0)
+        spf, total = self.samples_per_frame, codes.shape[1]
+        pieces = [torch.zeros(codes.shape[0], 0, device=codes.device)]
+        for start in range(0, total, chunk):
+            end = min(start + chunk, total)
+            ctx = left_context if start - left_context > 0 else start
+            pieces.append(self.decode_unchunked(codes[:, start - ctx:end])[:, ctx * spf:])
+        wav = torch.cat(pieces, dim=1)
+        samples = lengths.to(codes.device) * spf
+        wav = wav.masked_fill(torch.arange(wav.shape[1], device=wav.device) >= samples[:, None], 0.0)
+        return wav, samples
+
+
+class VocoderStreams:
+    """Streaming decode state of up to `max_streams` streams in preallocated slot-indexed tensors.
+
+    Slot s holds, for stream s, every op's left context and its frame count (the next transformer
+    position). `decode` advances several streams by the same W frames in one batched call; the audio
+    of a stream, concatenated over its windows of any sizes, equals `Vocoder.decode_unchunked` of all
+    its frames. The call has static shapes per (batch, W) and no host sync, so it can be captured in
+    a CUDA graph; rows padding a batch to a captured size use `pad_slot`, a spare slot nobody owns.
+    A slot must not appear twice in one call.
+    """
+
+    def __init__(self, vocoder: Vocoder, max_streams: int):
+        self.vocoder = vocoder
+        self.max_streams = max_streams
+        self.pad_slot = max_streams
+        self.context = vocoder.initial_context(max_streams + 1)
+        self.frames = torch.zeros(max_streams + 1, dtype=torch.long, device=vocoder.pre_conv.conv.weight.device)
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Forget the streams in `slots`: they restart as if no frame had been decoded."""
+        for buf in self.context.values():
+            buf.index_fill_(0, slots, 0)
+        self.frames.index_fill_(0, slots, 0)
+
+    @torch.no_grad()
+    def decode(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Next W frames of each stream: slots [B] long, codes [B, W, 16] -> fp32 wav [B, W*1920]."""
+        context = {op: buf.index_select(0, slots) for op, buf in self.context.items()}
+        start = self.frames.index_select(0, slots)
+        wav = self.vocoder(codes, start, context)
+        for op, buf in self.context.items():
+            buf.index_copy_(0, slots, context[op])
+        self.frames.index_copy_(0, slots, start + codes.shape[1])
+        return wav.float()
+
+    def prime(self, slots: torch.Tensor, context_codes: torch.Tensor) -> None:
+        """Start streams from context frames (an ICL session's reference codes [B, T_ref, 16]):
+        reset, decode them to fill the state, discard their audio. Rows share T_ref; prime ragged
+        references in separate calls."""
+        self.reset(slots)
+        self.decode(slots, context_codes)

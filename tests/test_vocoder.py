@@ -1,0 +1,195 @@
+"""Speech-tokenizer decoder against the official golden waveforms, and the streaming decoder against
+the unchunked decode.
+
+Streaming exactness is checked in fp64: there any error in the carried state (contexts, positions,
+window mask) shows up at full size while float noise is ~1e-13. In fp32 the BLAS kernels round
+differently for different lengths, and this tiny random model amplifies those last-bit differences
+~30x (activations reach ~700 before the last conv), so fp32 streaming is held to the golden 1e-4.
+"""
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import load_config
+from engine.model.vocoder import UNUSED_KEYS, Vocoder, VocoderStreams
+from engine.weights import load_into, read_safetensors
+
+SPF = 1920
+GOLDEN_TOL = 1e-4
+EXACT_TOL = 1e-6   # fp64 state logic, compared after the fp32 cast of the output
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops on 2 contended cores run ~50x slower with 2 OpenMP threads than with 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tensors(tiny_model_dir):
+    return read_safetensors(tiny_model_dir / "speech_tokenizer" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def vocoder(tiny_model_dir, tensors):
+    v = Vocoder(load_config(tiny_model_dir).decoder).eval()
+    load_into(v, tensors, "decoder.")
+    return v
+
+
+@pytest.fixture(scope="module")
+def vocoder64(vocoder):
+    return copy.deepcopy(vocoder).double()
+
+
+@pytest.fixture(scope="module")
+def random_codes(golden_npz):
+    """90 frames: more than the 72-frame attention window."""
+    return torch.from_numpy(golden_npz("decode_only_330")["codes"][:90])
+
+
+def stream(streams, slot, codes, schedule):
+    """Decode codes [T,16] through one slot in windows of the given sizes; concatenated fp32 audio."""
+    assert sum(schedule) == codes.shape[0]
+    out, pos = [], 0
+    for w in schedule:
+        wav = streams.decode(torch.tensor([slot]), codes[None, pos:pos + w])
+        assert wav.shape == (1, w * SPF) and wav.dtype == torch.float32
+        out.append(wav[0])
+        pos += w
+    return torch.cat(out)
+
+
+def maxdiff(a, b):
+    return (torch.as_tensor(a) - torch.as_tensor(b)).abs().max().item()
+
+
+def test_loads_every_decoder_tensor_except_input_proj(vocoder, tensors):
+    used = load_into(vocoder, tensors, "decoder.")
+    unused = {k for k in tensors if k.startswith("decoder.") and k not in used}
+    assert unused == {"decoder." + p + "weight" for p in UNUSED_KEYS}
+
+
+@pytest.mark.parametrize("name", ["decode_only_40", "decode_only_330"])
+def test_decode_matches_golden(vocoder, golden_npz, name):
+    z = golden_npz(name)
+    wav, samples = vocoder.decode(torch.from_numpy(z["codes"])[None])
+    assert wav.dtype == torch.float32 and samples.tolist() == [len(z["wav"])] == [wav.shape[1]]
+    assert maxdiff(wav[0], z["wav"]) < GOLDEN_TOL
+
+
+def test_decode_chunking_differs_from_unchunked_after_300_frames(vocoder, golden_npz):
+    """decode_only_330 only matches because the chunks restart at frame 300 with 25 frames of context."""
+    codes = torch.from_numpy(golden_npz("decode_only_330")["codes"])[None]
+    chunked = vocoder.decode(codes)[0]
+    assert maxdiff(chunked[0, :300 * SPF], vocoder.decode_unchunked(codes[:, :300])[0]) < GOLDEN_TOL
+    assert maxdiff(chunked[0, 300 * SPF:], vocoder.decode_unchunked(codes)[0, 300 * SPF:]) > 1e-3
+
+
+def test_decode_ragged_batch(vocoder, golden_npz):
+    z = golden_npz("decode_only_batch2")
+    codes = torch.full((2, 20, 16), -1, dtype=torch.long)
+    codes[0, :12] = torch.from_numpy(z["codes_0"])
+    codes[1] = torch.from_numpy(z["codes_1"])
+    wav, samples = vocoder.decode(codes)
+    assert samples.tolist() == [12 * SPF, 20 * SPF] and wav.shape == (2, 20 * SPF)
+    assert maxdiff(wav[0, :12 * SPF], z["wav_0"]) < GOLDEN_TOL
+    assert maxdiff(wav[1], z["wav_1"]) < GOLDEN_TOL
+    assert wav[0, 12 * SPF:].abs().max().item() == 0.0
+    wav2, samples2 = vocoder.decode(codes, torch.tensor([12, 20]))
+    assert torch.equal(wav, wav2) and torch.equal(samples, samples2)
+
+
+@pytest.mark.parametrize("name", ["xvec_en", "icl_en", "batch3_xvec", "batch3_icl", "batch2_eos"])
+def test_decode_generation_cases(vocoder, golden_cases, golden_npz, name):
+    """decode_input_codes_i -> decode_full_wav_i, all items of a case in one ragged batch."""
+    z = golden_npz(name)
+    items = [torch.from_numpy(z[f"decode_input_codes_{i}"]) for i in range(golden_cases[name]["batch_size"])]
+    codes = torch.nn.utils.rnn.pad_sequence(items, batch_first=True, padding_value=-1)
+    wav, samples = vocoder.decode(codes)
+    for i, c in enumerate(items):
+        ref = z[f"decode_full_wav_{i}"]
+        assert samples[i].item() == len(ref) == c.shape[0] * SPF
+        assert maxdiff(wav[i, :len(ref)], ref) < GOLDEN_TOL
+
+
+@pytest.mark.parametrize("schedule", [
+    [1] * 6 + [84],
+    [1, 2, 4, 8] * 4 + [30],
+    [8] * 11 + [2],
+    [3, 1, 7, 2, 61, 1, 15],
+])
+def test_streaming_equals_unchunked_fp64(vocoder64, random_codes, schedule):
+    ref = vocoder64.decode_unchunked(random_codes[None])[0]
+    out = stream(VocoderStreams(vocoder64, 4), 2, random_codes, schedule)
+    assert out.shape == ref.shape
+    assert maxdiff(out, ref) < EXACT_TOL
+
+
+def test_streaming_fp32_within_golden_tolerance(vocoder, random_codes):
+    ref = vocoder.decode_unchunked(random_codes[None])[0]
+    out = stream(VocoderStreams(vocoder, 2), 0, random_codes, [1, 2, 4, 8, 16, 32, 27])
+    assert maxdiff(out, ref) < GOLDEN_TOL
+
+
+def test_primed_icl_stream(vocoder, vocoder64, golden_npz):
+    """prime(ref codes), then the generated codes: the full decode of ref ++ codes minus the ref audio."""
+    z = golden_npz("icl_en")
+    ref_codes, codes = torch.from_numpy(z["ref_codes"]), torch.from_numpy(z["codes_0"])
+    cut = ref_codes.shape[0] * SPF
+    full = vocoder64.decode_unchunked(torch.cat([ref_codes, codes])[None])[0]
+    schedule = [1, 2, 4, 8, 16]
+    streams = VocoderStreams(vocoder64, 3)
+    streams.prime(torch.tensor([1]), ref_codes[None])
+    assert maxdiff(stream(streams, 1, codes, schedule), full[cut:]) < EXACT_TOL
+    # fp32 streaming against the official decode of ref ++ codes (one chunk: 67 frames)
+    streams32 = VocoderStreams(vocoder, 3)
+    streams32.prime(torch.tensor([1]), ref_codes[None])
+    assert maxdiff(stream(streams32, 1, codes, schedule), z["decode_full_wav_0"][cut:]) < GOLDEN_TOL
+
+
+def test_batched_streams_with_different_histories(vocoder64, random_codes):
+    """Slot 3 runs 10 frames alone, then advances together with a fresh slot 0 (and a padding row)."""
+    a, b = random_codes[:40], random_codes[40:70]
+    ref_a = vocoder64.decode_unchunked(a[None])[0]
+    ref_b = vocoder64.decode_unchunked(b[None])[0]
+    streams = VocoderStreams(vocoder64, 4)
+    head = stream(streams, 3, a[:10], [4, 6])
+    slots = torch.tensor([3, streams.pad_slot, 0])
+    out_a, out_b, pos = [head], [], 0
+    for w in [1, 3, 8, 2, 16]:
+        codes = torch.stack([a[10 + pos:10 + pos + w], random_codes[:w], b[pos:pos + w]])
+        wav = streams.decode(slots, codes)
+        assert wav.shape == (3, w * SPF)
+        out_a.append(wav[0])
+        out_b.append(wav[2])
+        pos += w
+    assert maxdiff(torch.cat(out_a), ref_a) < EXACT_TOL
+    assert maxdiff(torch.cat(out_b), ref_b) < EXACT_TOL
+
+
+def test_reset_forgets_the_slot(vocoder64, random_codes):
+    first, second = random_codes[:20], random_codes[20:36]
+    fresh = vocoder64.decode_unchunked(second[None])[0]
+    streams = VocoderStreams(vocoder64, 2)
+    stream(streams, 1, first, [8, 12])
+    assert maxdiff(stream(streams, 1, second, [16]), fresh) > 1e-3   # the slot's history matters ...
+    streams.reset(torch.tensor([1]))
+    assert maxdiff(stream(streams, 1, second, [2, 14]), fresh) < EXACT_TOL   # ... until reset
+
+
+def test_bf16_keeps_fp32_rope_and_streams(vocoder, random_codes):
+    v = copy.deepcopy(vocoder).to(torch.bfloat16)
+    assert v.pre_transformer.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(v.pre_transformer.inv_freq, vocoder.pre_transformer.inv_freq, rtol=0, atol=0)
+    streams = VocoderStreams(v, 2)
+    assert all(buf.dtype == torch.bfloat16 for buf in streams.context.values())
+    wav = streams.decode(torch.tensor([0, 1]), torch.stack([random_codes[:2], random_codes[2:4]]))
+    assert wav.dtype == torch.float32 and wav.shape == (2, 2 * SPF)
+    assert torch.isfinite(wav).all() and wav.abs().max().item() <= 1.0
+    assert streams.frames[:2].tolist() == [2, 2]
