@@ -33,6 +33,7 @@ let settingsSent = null;          // JSON of the last session.update
 let live = null;                  // {turnId, sent} while a "speak as I type" turn is open
 let liveIdle = null;
 let downloadUrl = null;
+let stopCount = 0;                // a turn still opening when Stop is pressed is not sent
 
 function headers(extra = {}) {
   return apiKey ? { ...extra, Authorization: `Bearer ${apiKey}` } : extra;
@@ -136,8 +137,10 @@ function sendSettings() {
 }
 
 async function startTurn(text, final) {
+  const stops = stopCount;
   await ensureAudio();
   await connect();
+  if (stops !== stopCount) return null;
   if (turns.size === 0) sendSettings();
   const turn = {
     id: `t${++turnSeq}`, sentAt: performance.now(), firstAudioAt: null, samples: 0, chunks: [],
@@ -217,7 +220,7 @@ function finishTurn(turn, done) {
 
 async function speak() {
   const text = $('text').value.trim();
-  if (live) return endLiveTurn();
+  if ($('live').checked) return endLiveTurn();
   if (!text) return;
   try {
     await startTurn(text, true);
@@ -229,52 +232,50 @@ async function speak() {
 
 function stop() {
   if (ws && ws.readyState === WebSocket.OPEN) send({ type: 'cancel' });
-  for (const turn of turns.values()) turn.cancelRequested = true;
+  stopCount += 1;
   audioTurn = null;
   live = null;
   if (player) player.port.postMessage({ type: 'clear' });
   $('turn-state').textContent = 'stopped';
 }
 
-// "Speak as I type": whole words go out as they are typed; Enter (or Speak) ends the turn.
-async function onType() {
+// "Speak as I type": whole words go out as they are typed; Enter (or the button) ends the turn.
+// Pieces are recorded as sent synchronously, so input events arriving while the turn is still
+// being opened neither repeat nor lose text; they wait in `queue` until the turn exists.
+function onType() {
   if (!$('live').checked) return;
   clearTimeout(liveIdle);
   const value = $('text').value;
   if (live && !value.startsWith(live.sent)) live.sent = value.slice(0, live.sent.length);
   const pending = value.slice(live ? live.sent.length : 0);
   const cut = Math.max(pending.lastIndexOf(' '), pending.lastIndexOf('\n')) + 1;
-  if (cut > 0 && pending.slice(0, cut).trim()) await sendLive(pending.slice(0, cut), false);
-  liveIdle = setTimeout(flushLive, 1200);
+  if (cut > 0 && pending.slice(0, cut).trim()) sendLive(pending.slice(0, cut), false);
+  liveIdle = setTimeout(() => {
+    const rest = $('text').value.slice(live ? live.sent.length : 0);
+    if ($('live').checked && rest.trim()) sendLive(rest, false);
+  }, 1200);
 }
 
-async function sendLive(piece, final) {
+function sendLive(piece, final) {
   if (!live) {
-    live = { turnId: null, sent: '' };
-    const turn = await startTurn(piece, final);
-    if (live) live.turnId = turn.id;
-  } else if (live.turnId) {
-    send({ type: 'text', turn_id: live.turnId, text: piece, final });
+    const opening = live = { turnId: null, sent: piece, queue: [] };
+    startTurn(piece, final).then((turn) => {
+      if (!turn) return;
+      opening.turnId = turn.id;
+      opening.queue.forEach(([p, f]) => send({ type: 'text', turn_id: turn.id, text: p, final: f }));
+    }).catch((err) => status(`could not speak: ${err.message}`, true));
+  } else {
+    live.sent += piece;
+    if (live.turnId) send({ type: 'text', turn_id: live.turnId, text: piece, final });
+    else live.queue.push([piece, final]);
   }
-  if (live) live.sent += piece;
+  if (final) live = null;
 }
 
-async function flushLive() {
-  if (!$('live').checked) return;
-  const pending = $('text').value.slice(live ? live.sent.length : 0);
-  if (pending.trim()) await sendLive(pending, false);
-}
-
-async function endLiveTurn() {
+function endLiveTurn() {
   clearTimeout(liveIdle);
   const pending = $('text').value.slice(live ? live.sent.length : 0);
-  if (!live && !pending.trim()) return;
-  if (!live) {
-    await startTurn(pending, true);
-  } else if (live.turnId) {
-    send({ type: 'text', turn_id: live.turnId, text: pending, final: true });
-  }
-  live = null;
+  if (live || pending.trim()) sendLive(pending, true);
   $('text').value = '';
 }
 

@@ -1,0 +1,70 @@
+"""Runs the TTS server (tiny model) and the bridge as real subprocesses for tests/test_web.py and
+tests/test_twilio.py. QWEN3_TTS_URL=http://host:port runs those tests against a server that is
+already up instead (e.g. one on a GPU machine)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def subprocess_service(args: list[str], ready_url: str, timeout_s: float = 120.0) -> Iterator[None]:
+    """Starts `args`, waits until `ready_url` answers 200, stops it at the end; its log is shown on failure."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+        def output() -> str:
+            log.seek(0)
+            return log.read()[-4000:]
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{' '.join(args)} exited with {proc.returncode}:\n{output()}")
+                try:
+                    if httpx.get(ready_url, timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{ready_url} not ready after {timeout_s:.0f} s:\n{output()}")
+                time.sleep(0.2)
+            yield
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextmanager
+def tts_server(model_dir: Path, *extra: str) -> Iterator[str]:
+    """The base URL (http://127.0.0.1:PORT) of a TTS server serving `model_dir` on the CPU."""
+    if os.environ.get("QWEN3_TTS_URL"):
+        yield os.environ["QWEN3_TTS_URL"].rstrip("/")
+        return
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [sys.executable, "-m", "app", "--model-dir", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--device", "cpu", *extra]
+    with subprocess_service(args, f"{url}/ready"):
+        yield url
