@@ -129,10 +129,14 @@ class SamplingTensors:
         self.talker_top_p_any |= rows.talker_top_p_any
         self.sub_top_p_any |= rows.sub_top_p_any
 
+    def rows(self, index: torch.Tensor | slice) -> "SamplingTensors":
+        """The rows `index` (a LongTensor of slots: a gathered copy; a slice: views)."""
+        return SamplingTensors(**{name: getattr(self, name)[index] for name in self._tensors()},
+                               talker_top_p_any=self.talker_top_p_any, sub_top_p_any=self.sub_top_p_any)
+
     def head(self, n: int) -> "SamplingTensors":
         """Views of rows 0..n-1 (the decode batch over slots 0..n-1)."""
-        return SamplingTensors(**{name: getattr(self, name)[:n] for name in self._tensors()},
-                               talker_top_p_any=self.talker_top_p_any, sub_top_p_any=self.sub_top_p_any)
+        return self.rows(slice(0, n))
 
 
 def _sub_greedy(p: SamplingParams) -> bool:

@@ -170,7 +170,8 @@ def test_params_from_sampling_params():
     state = tensors(4, seed=0)
     state.assign(torch.tensor([2]), SamplingTensors.from_params([SamplingParams(seed=9, top_k=7)]))
     assert state.seed.tolist() == [0, 0, 9, 0] and state.top_k.tolist() == [50, 50, 7, 50]
-    assert state.head(2).seed.shape == (2,)
+    assert state.head(2).seed.shape == (2,) and state.head(2).seed.data_ptr() == state.seed.data_ptr()
+    assert state.rows(torch.tensor([2, 0])).top_k.tolist() == [7, 50]
     with pytest.raises(ValueError):
         SamplingTensors.from_params([SamplingParams(temperature=0.0)])
     with pytest.raises(ValueError):
