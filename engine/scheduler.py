@@ -1,0 +1,614 @@
+"""The frame-synchronous scheduler: every live session advances by one 80 ms frame per batched step.
+
+One engine thread owns the device. Other threads (the asyncio server, the CLI, tests) hand it
+commands through a thread-safe queue: `submit` a `SpeechRequest`, then on the returned
+`RequestHandle` `push_text` / `finish_text` (incremental text) and `cancel`. Audio comes back on the
+handle as `AudioChunk`s, as soon as each vocoder window is decoded, then one final `TurnResult`:
+`async for item in handle` on an event loop (pushed with `loop.call_soon_threadsafe`, so the loop
+never blocks), or `handle.collect()` from plain threads.
+
+Each iteration of the engine loop:
+  1. apply commands (new sessions, text, cancels: a cancelled session's slot is free before the step);
+  2. admit sessions that have enough text for their prompt into free slots (the lowest first, since
+     the decode batch spans slots 0..n-1), in a batch;
+  3. prefill: one talker forward over the prompts being admitted, at most `prefill_chunk` positions per
+     row and `prefill_budget` in all, so a long prompt delays the other sessions' frame by a bounded
+     amount (it finishes over several iterations);
+  4. one decode step (`ModelRunner.step`) for every slot that has its next text: the model eats one
+     text token per frame, so a session whose text has not arrived yet sits the step out with its
+     state intact, and one past its text feeds tts_eos then tts_pad;
+  5. the streaming vocoder decodes, batched, the windows that are due (`engine.streaming`);
+  6. finished sessions (EOS, frame limit) get their last audio and result, and their slots are free.
+
+Sampling is batch-invariant (`engine.sampling`): a request with a seed gives the same codes alone or
+in any batch, at any arrival frame. The talker KV cache has one capacity for every slot
+(`ModelRunner`); it starts at `capacity`, grows (doubling, up to `max_capacity`) when an admitted
+session's estimated length (its prompt plus `frames_per_token` per text token) or a running one
+needs it.
+
+Device out-of-memory never fails a request: a prefill is split across rows, then into shorter
+chunks; the vocoder splits across streams, then in time; a decode step is retried after the allocator
+cache is released; admissions wait a few iterations after any out-of-memory error.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import numpy as np
+import torch
+
+from .prompt import PromptBuilder, resolve_language
+from .requests import AudioChunk, SpeechRequest, TurnResult
+from .runner import EOS, RUNNING, ModelRunner
+from .sampling import SamplingTensors
+from .streaming import StreamingVocoder, WindowPolicy, release_cached_memory
+
+log = logging.getLogger(__name__)
+
+FREE, PREFILL, DECODE = 0, 1, 2     # what a slot is doing
+
+
+class Overloaded(RuntimeError):
+    """The admission queue is full: retry later (the server answers 503 + Retry-After)."""
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    active: int              # sessions holding a slot (prefilling or decoding)
+    queued: int              # submitted sessions waiting for a slot or for the text their prompt needs
+    max_batch: int
+    steps: int               # decode steps run
+    last_step_ms: float      # wall time of the last engine iteration that ran a decode step
+    last_batch_size: int     # rows that advanced in the last decode step
+    frames_generated: int    # codec frames generated since start
+    waiting_for_text: int    # decoding sessions that sat out the last step for lack of text
+    capacity: int            # talker cache positions per slot
+    oom_recoveries: int      # device out-of-memory errors recovered from
+
+
+Item = Union[AudioChunk, TurnResult]
+
+
+class _Outbox:
+    """Items from the engine thread to one consumer, read blocking or from an asyncio loop."""
+
+    def __init__(self):
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._event: Optional[asyncio.Event] = None
+
+    def put(self, item: Item) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
+            loop, event = self._loop, self._event
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:   # the consumer's loop is closed: nobody is listening any more
+                pass
+
+    def get(self, timeout: Optional[float] = None) -> Item:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._items, timeout):
+                raise TimeoutError("no audio from the scheduler in time")
+            return self._items.popleft()
+
+    async def aget(self) -> Item:
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if self._loop is not loop:
+                self._loop, self._event = loop, asyncio.Event()
+            event = self._event
+        while True:
+            event.clear()
+            with self._cond:
+                if self._items:
+                    return self._items.popleft()
+            await event.wait()
+
+
+@dataclass(eq=False)
+class _Session:
+    """The engine thread's record of one request (only the engine thread touches it after submit)."""
+    request: SpeechRequest
+    max_frames: int
+    outbox: _Outbox
+    submitted: float
+    ids: list = field(default_factory=list)   # target text ids received and not yet in a slot
+    text_done: bool = False
+    slot: Optional[int] = None
+    prompt: Optional[torch.Tensor] = None     # [P, D] while prefilling
+    trail_ids: list = field(default_factory=list)  # the prompt's trailing text ids, at admission
+    prefilled: int = 0
+    frames: int = 0
+    samples: int = 0
+    reason: Optional[str] = None              # set when generation ended
+    queue_ms: float = 0.0
+    ttfa_ms: float = 0.0
+    codes: list = field(default_factory=list)  # [16] host rows, when the scheduler keeps codes
+    closed: bool = False
+
+
+class RequestHandle:
+    """A submitted request: feed it text, cancel it, read its audio. Every method is thread-safe."""
+
+    def __init__(self, scheduler: "Scheduler", session: _Session, request_id: str, tokenizer):
+        self.id = request_id
+        self._scheduler = scheduler
+        self._session = session
+        self._tokenizer = tokenizer       # this request's incremental tokenizer
+        self._lock = threading.Lock()
+        self._text_done = False
+        self._read_final = False
+
+    def push_text(self, text: str) -> None:
+        """Append text to the turn; the model starts speaking before the text is complete."""
+        with self._lock:
+            if self._text_done:
+                raise RuntimeError(f"request {self.id}: text is already complete")
+            ids = self._tokenizer.push(text)
+            self._scheduler._send(("text", self._session, ids, False))
+
+    def finish_text(self) -> None:
+        """No more text for this turn (idempotent)."""
+        with self._lock:
+            if self._text_done:
+                return
+            self._text_done = True
+            self._scheduler._send(("text", self._session, self._tokenizer.finish(), True))
+
+    def cancel(self) -> None:
+        """Stop generating within one step and free the slot; the final result says "cancelled"."""
+        self._scheduler._send(("cancel", self._session))
+
+    def get(self, timeout: Optional[float] = None) -> Item:
+        """The next AudioChunk, or the TurnResult (last), blocking up to `timeout` seconds."""
+        if self._read_final:
+            raise RuntimeError(f"request {self.id}: its result was already read")
+        item = self._session.outbox.get(timeout)
+        self._read_final = isinstance(item, TurnResult)
+        return item
+
+    def collect(self, timeout: Optional[float] = None) -> tuple[list[AudioChunk], TurnResult]:
+        """Every chunk and the result, blocking until the turn ends (TimeoutError after `timeout` s)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        chunks = []
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            item = self.get(left)
+            if isinstance(item, TurnResult):
+                return chunks, item
+            chunks.append(item)
+
+    def __aiter__(self) -> "RequestHandle":
+        return self
+
+    async def __anext__(self) -> Item:
+        if self._read_final:
+            raise StopAsyncIteration
+        item = await self._session.outbox.aget()
+        self._read_final = isinstance(item, TurnResult)
+        return item
+
+
+class Scheduler:
+    def __init__(self, model, max_batch: int, *, window_frames: tuple[int, int] = (2, 8),
+                 capacity: int = 512, max_capacity: Optional[int] = None, max_queue: int = 1024,
+                 prefill_chunk: int = 256, prefill_budget: int = 1024, frames_per_token: float = 6.0,
+                 frame_margin: int = 32, keep_codes: bool = False, oom_retries: int = 2,
+                 oom_defer_iterations: int = 4):
+        """model: `engine.loader.TTSModel`. max_batch: slots (sessions decoding at once).
+
+        window_frames: vocoder frames for a session's first audio chunk, then for each later one.
+        capacity / max_capacity: talker cache positions per slot, initially / at most (default: the
+        longest turn the model allows, max_new_tokens + prefill_chunk). Memory is max_batch x
+        capacity x (layers x 2 x kv_heads x head_dim) elements.
+        max_queue: sessions waiting for admission before `submit` raises `Overloaded`.
+        prefill_chunk / prefill_budget: prompt positions per row / in all, per iteration.
+        frames_per_token, frame_margin: the frame estimate of a turn, to size the cache at admission.
+        keep_codes: put each turn's codes [frames, 16] in its TurnResult (tests, CLI).
+        """
+        cfg = model.config
+        self.model = model
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.default_max_frames = cfg.generation.max_new_tokens - 1
+        self.max_capacity = max_capacity or cfg.generation.max_new_tokens + prefill_chunk
+        self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
+        self.frames_per_token, self.frame_margin = frames_per_token, frame_margin
+        self.keep_codes = keep_codes
+        self.oom_retries, self.oom_defer_iterations = oom_retries, oom_defer_iterations
+        self.device = model.device
+        self.prompts: PromptBuilder = model.prompts
+        self.runner = ModelRunner(model, max_batch, min(capacity, self.max_capacity))
+        self.vocoder = StreamingVocoder(model.vocoder, max_batch, WindowPolicy(*window_frames),
+                                        cfg.talker.num_code_groups)
+        self.samples_per_frame = cfg.samples_per_frame
+        self._pad_id, self._eos_id = cfg.tts_pad_token_id, cfg.tts_eos_token_id
+
+        # Per-slot host state, indexed by slot (vectorized per step).
+        self._phase = np.zeros(max_batch, dtype=np.int8)
+        self._trail = np.zeros((max_batch, 64), dtype=np.int64)   # text ids each decode step consumes
+        self._trail_len = np.zeros(max_batch, dtype=np.int64)
+        self._trail_pos = np.zeros(max_batch, dtype=np.int64)
+        self._text_done = np.zeros(max_batch, dtype=bool)
+        self._by_slot: list[Optional[_Session]] = [None] * max_batch
+        self._free = list(range(max_batch))     # kept sorted: the lowest slot is taken first
+
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: list[_Session] = []
+        self._queued = 0                        # sessions submitted and not yet admitted or ended
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._stopped = False
+        self._defer_admissions = 0
+        self._steps = self._frames_total = self._ooms = 0
+        self._last_step_ms, self._last_batch, self._last_sat_out = 0.0, 0, 0
+
+    # -- public API (any thread) -------------------------------------------------------------------
+
+    def start(self) -> "Scheduler":
+        if self._thread is not None:
+            raise RuntimeError("scheduler already started")
+        self._thread = threading.Thread(target=self._run, name="tts-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Stop the engine thread; sessions still running end with reason "error" ("scheduler stopped")."""
+        with self._lock:
+            self._stopped = True
+        self._commands.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "Scheduler":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def submit(self, request: SpeechRequest) -> RequestHandle:
+        """Queue a request (non-blocking). Raises ValueError for a bad request, `Overloaded` when the
+        queue is full, RuntimeError once stopped."""
+        resolve_language(request.language, self.model.config)
+        SamplingTensors.from_params([request.sampling])
+        if request.max_frames is not None and request.max_frames < 0:
+            raise ValueError(f"max_frames must be >= 0, got {request.max_frames}")
+        voice = request.voice
+        if voice.icl and not voice.ref_text_ids:
+            raise ValueError("an ICL voice needs the reference text ids")
+        tokenizer = self.model.tokenizer.incremental()
+        ids = tokenizer.push(request.text)
+        if request.text_complete:
+            ids += tokenizer.finish()
+            if not ids:
+                raise ValueError("empty text: nothing to speak")
+        session = _Session(request, self.default_max_frames if request.max_frames is None else request.max_frames,
+                           _Outbox(), time.monotonic(), ids=ids, text_done=request.text_complete)
+        handle = RequestHandle(self, session, request.request_id or uuid.uuid4().hex, tokenizer)
+        if request.text_complete:
+            handle._text_done = True
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the scheduler is stopped")
+            if self._queued >= self.max_queue:
+                raise Overloaded(f"{self._queued} requests are already waiting")
+            self._queued += 1
+        self._send(("submit", session))
+        return handle
+
+    def stats(self) -> SchedulerStats:
+        with self._lock:
+            return SchedulerStats(
+                active=int((self._phase != FREE).sum()), queued=self._queued, max_batch=self.max_batch,
+                steps=self._steps, last_step_ms=self._last_step_ms, last_batch_size=self._last_batch,
+                frames_generated=self._frames_total, waiting_for_text=self._last_sat_out,
+                capacity=self.runner.capacity, oom_recoveries=self._ooms)
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+
+    # -- engine thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        try:
+            while self._apply_commands(block=not self._has_work()):
+                try:
+                    self._iterate()
+                except Exception as e:   # a bug: fail the sessions in flight, keep serving the others
+                    log.exception("engine iteration failed")
+                    for s in [s for s in self._by_slot if s is not None]:
+                        self._close(s, "error", f"engine error: {type(e).__name__}: {e}")
+        finally:
+            for s in [*self._waiting, *(s for s in self._by_slot if s is not None)]:
+                self._close(s, "error", "scheduler stopped")
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); False once asked to stop."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind, *args = command
+            if kind == "stop":
+                return False
+            getattr(self, "_on_" + kind)(*args)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _on_submit(self, s: _Session) -> None:
+        self._waiting.append(s)
+
+    def _on_text(self, s: _Session, ids: list[int], done: bool) -> None:
+        if s.closed:
+            return
+        if s.slot is None:
+            s.ids += ids
+            s.text_done = done
+            return
+        if done:
+            ids = [*ids, self._eos_id]
+        self._append_trail(s.slot, ids)
+        self._text_done[s.slot] = done
+
+    def _on_cancel(self, s: _Session) -> None:
+        if not s.closed:
+            self._close(s, "cancelled")
+
+    def _has_work(self) -> bool:
+        if (self._phase == PREFILL).any():
+            return True
+        decode = self._phase == DECODE
+        if (decode & ((self._trail_pos < self._trail_len) | self._text_done)).any():
+            return True
+        return bool(self._free) and any(self._ready(s) for s in self._waiting)
+
+    def _iterate(self) -> None:
+        t0 = time.perf_counter()
+        if self._defer_admissions > 0:
+            self._defer_admissions -= 1
+            if not (self._phase != FREE).any():
+                time.sleep(0.01)    # nothing else to do while admissions wait out an out-of-memory error
+        else:
+            self._admit()
+        self._prefill()
+        ended = self._step()
+        if ended is None:
+            return
+        self._vocode(ended)
+        for s in ended:
+            self._close(s, s.reason)
+        with self._lock:
+            self._last_step_ms = (time.perf_counter() - t0) * 1000
+
+    # -- admission and prefill ---------------------------------------------------------------------
+
+    def _ready(self, s: _Session) -> bool:
+        """Whether the session has the text its prompt needs."""
+        if s.text_done:
+            return True
+        needed = self.prompts.tokens_needed(s.request.voice, s.request.non_streaming_text)
+        return needed is not None and len(s.ids) >= needed
+
+    def _admit(self) -> None:
+        admitted = []
+        for s in list(self._waiting):
+            if len(admitted) == len(self._free):
+                break
+            if not self._ready(s):
+                continue
+            if s.text_done and not s.ids:
+                self._close(s, "error", "empty text: nothing to speak")
+                continue
+            r = s.request
+            try:
+                prompt = self.prompts.build(s.ids, r.voice, r.language, r.non_streaming_text, s.text_done)
+            except ValueError as e:
+                self._close(s, "error", str(e))
+                continue
+            p = prompt.embeds.shape[0]
+            if p >= self.max_capacity:
+                self._close(s, "error", f"prompt of {p} positions exceeds the cache ({self.max_capacity})")
+                continue
+            estimate = p + min(s.max_frames, self.frames_per_token * max(len(s.ids), 1) + self.frame_margin)
+            if not self._grow(int(estimate)):
+                break
+            s.prompt, s.trail_ids = prompt.embeds, self._trailing_ids(s, prompt.trailing.shape[0])
+            admitted.append(s)
+        if not admitted:
+            return
+        slots = [self._free.pop(0) for _ in admitted]
+        self.runner.admit(slots, [s.request.sampling for s in admitted], [s.max_frames for s in admitted])
+        self.vocoder.start(slots, [s.request.voice.ref_codes if s.request.voice.icl else None for s in admitted])
+        for s, slot in zip(admitted, slots):
+            self._waiting.remove(s)
+            s.slot, s.ids = slot, []
+            self._by_slot[slot] = s
+            self._phase[slot] = PREFILL
+            self._trail_len[slot] = self._trail_pos[slot] = 0
+            self._append_trail(slot, s.trail_ids)
+            self._text_done[slot] = s.text_done
+        with self._lock:
+            self._queued -= len(admitted)
+
+    def _trailing_ids(self, s: _Session, n_trailing: int) -> list[int]:
+        """Ids of the prompt's trailing text: the last n of (R if ICL) ++ T ++ (tts_eos if complete).
+
+        Decode steps embed them one per frame, as they do with text that arrives later, so a turn
+        whose text comes in pieces runs the same computation as one sent whole.
+        """
+        voice = s.request.voice
+        ids = [*(voice.ref_text_ids if voice.icl else []), *s.ids, *([self._eos_id] if s.text_done else [])]
+        return ids[len(ids) - n_trailing:] if n_trailing else []
+
+    def _append_trail(self, slot: int, ids: list[int]) -> None:
+        end = self._trail_len[slot] + len(ids)
+        if end > self._trail.shape[1]:
+            grown = np.zeros((self.max_batch, max(end, 2 * self._trail.shape[1])), dtype=np.int64)
+            grown[:, :self._trail.shape[1]] = self._trail
+            self._trail = grown
+        self._trail[slot, self._trail_len[slot]:end] = ids
+        self._trail_len[slot] = end
+
+    def _grow(self, positions: int) -> bool:
+        """Make the cache hold `positions` per slot (doubling, capped); False on out-of-memory."""
+        cap = self.runner.capacity
+        if positions <= cap or cap >= self.max_capacity:
+            return True
+        try:
+            self.runner.grow(min(self.max_capacity, max(positions, 2 * cap)))
+            return True
+        except torch.OutOfMemoryError:
+            self._out_of_memory()
+            return False
+
+    def _prefill(self) -> None:
+        budget, work = self.prefill_budget, []
+        for slot in np.flatnonzero(self._phase == PREFILL):
+            s = self._by_slot[slot]
+            take = min(self.prefill_chunk, s.prompt.shape[0] - s.prefilled, budget)
+            if take <= 0:
+                break
+            if s.prefilled == 0:
+                s.queue_ms = (time.monotonic() - s.submitted) * 1000
+            work.append((s, take))
+            budget -= take
+        if work:
+            self._prefill_rows(work)
+
+    def _prefill_rows(self, work: list[tuple[_Session, int]]) -> None:
+        """One runner.prefill over `work`; on out-of-memory, halves of the rows, then shorter chunks."""
+        last = [s.prefilled + take == s.prompt.shape[0] for s, take in work]
+        try:
+            status = self.runner.prefill([s.slot for s, _ in work],
+                                         [s.prompt[s.prefilled:s.prefilled + take] for s, take in work], last)
+        except torch.OutOfMemoryError:
+            self._out_of_memory()
+            if len(work) > 1:
+                h = len(work) // 2
+                self._prefill_rows(work[:h])
+                self._prefill_rows(work[h:])
+            elif work[0][1] > 1:
+                self._prefill_rows([(work[0][0], work[0][1] // 2)])
+            return    # a single position that does not fit: try again next iteration
+        for (s, take), done, st in zip(work, last, status):
+            s.prefilled += take
+            if not done:
+                continue
+            s.prompt = None
+            if st == RUNNING:
+                self._phase[s.slot] = DECODE
+            else:                       # max_frames 0
+                self._close(s, "max_frames")
+
+    # -- decode ------------------------------------------------------------------------------------
+
+    def _step(self) -> Optional[list[_Session]]:
+        """One frame for every decoding slot that has its next text; returns the sessions that ended
+        (None when no step ran)."""
+        decode = self._phase == DECODE
+        if not decode.any():
+            return None
+        n = int(np.flatnonzero(decode)[-1]) + 1
+        pos, has_text = self._trail_pos[:n], self._trail_pos[:n] < self._trail_len[:n]
+        active = decode[:n] & (has_text | self._text_done[:n])
+        if not active.any():
+            with self._lock:
+                self._last_sat_out = int(decode.sum())
+            return None
+        room = int(self.runner.lengths[:n][active].max()) + 2
+        if room > self.runner.capacity and not self._grow(room):
+            return None
+        ids = np.where(has_text, self._trail[np.arange(n), np.minimum(pos, self._trail.shape[1] - 1)], self._pad_id)
+        text = self.model.talker.embed_text(torch.from_numpy(ids).to(self.device))
+        out = None
+        for _ in range(self.oom_retries + 1):
+            try:
+                out = self.runner.step(n, active.tolist(), text)
+                break
+            except torch.OutOfMemoryError:
+                self._out_of_memory()
+        if out is None:
+            return None     # nothing advanced; the next iteration tries again
+        self._trail_pos[:n] += active & has_text
+        rows = np.flatnonzero(active)
+        self.vocoder.add(rows, out.frames)
+        status = np.asarray(out.status)
+        ended = []
+        for slot in rows:
+            s = self._by_slot[slot]
+            s.frames += 1
+            if self.keep_codes:
+                s.codes.append(out.frames_cpu[slot])
+            if status[slot] != RUNNING:
+                s.reason = "eos" if status[slot] == EOS else "max_frames"
+                ended.append(s)
+        with self._lock:
+            self._steps += 1
+            self._frames_total += rows.size
+            self._last_batch = int(rows.size)
+            self._last_sat_out = int(decode.sum()) - int(rows.size)
+        return ended
+
+    def _vocode(self, ended: list[_Session]) -> None:
+        """Decode the windows that are due, batched, and send their audio."""
+        slots = np.flatnonzero(self._phase == DECODE)
+        finishing = np.zeros(self.max_batch, dtype=bool)
+        finishing[[s.slot for s in ended]] = True
+        for group, frames in self.vocoder.due(slots, finishing[slots]):
+            wav = self.vocoder.decode(group, frames)
+            for slot, pcm in zip(group, wav):
+                self._emit(self._by_slot[slot], pcm)
+
+    def _emit(self, s: _Session, pcm: np.ndarray) -> None:
+        if s.samples == 0:
+            s.ttfa_ms = (time.monotonic() - s.submitted) * 1000
+        s.outbox.put(AudioChunk(pcm, s.samples // self.samples_per_frame, s.samples))
+        s.samples += pcm.shape[0]
+
+    # -- endings -----------------------------------------------------------------------------------
+
+    def _close(self, s: _Session, reason: str, error: Optional[str] = None) -> None:
+        """Send the session's result and free whatever it holds (slot or place in the queue)."""
+        if s.closed:
+            return
+        s.closed = True
+        if s.slot is None:
+            if s in self._waiting:
+                self._waiting.remove(s)
+            with self._lock:
+                self._queued -= 1
+        else:
+            self._phase[s.slot] = FREE
+            self._by_slot[s.slot] = None
+            self._trail_len[s.slot] = self._trail_pos[s.slot] = 0
+            self._text_done[s.slot] = False
+            self._free.append(s.slot)
+            self._free.sort()
+            s.slot = None
+        codes = None
+        if self.keep_codes:
+            codes = (torch.stack(s.codes).numpy() if s.codes else np.zeros((0, 16), dtype=np.int64))
+        s.outbox.put(TurnResult(reason, s.frames, s.samples, s.queue_ms, s.ttfa_ms, error, codes))
+
+    def _out_of_memory(self) -> None:
+        log.warning("device out of memory: splitting work and deferring admissions")
+        release_cached_memory()
+        self._defer_admissions = self.oom_defer_iterations
+        with self._lock:
+            self._ooms += 1
