@@ -9,7 +9,8 @@ import torch
 
 GOLDEN = Path(os.environ.get("QWEN3_TTS_GOLDEN", Path(__file__).resolve().parents[1].parent / "shared" / "golden"))
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Tiny-model ops are far slower with several intra-op threads on a loaded 2-core machine.
+torch.set_num_threads(1)
 
 
 def _need_golden():
