@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from websockets.exceptions import WebSocketException
+from websockets.exceptions import ConnectionClosed, WebSocketException
 
 from app.bridges.tts_client import Audio, TTSClient
 
@@ -108,9 +108,9 @@ class TwilioCall:
         while not self._queue.empty():
             self._queue.get_nowait()
         self._clock = None
-        await self.tts.cancel()
         await self._send({"event": "clear", "streamSid": self.stream_sid})
         self.stats.clears += 1
+        await self.tts.cancel()
         return cleared
 
     def on_mark(self, name: str) -> None:
@@ -273,6 +273,8 @@ def create_app(config: BridgeConfig) -> Starlette:
             turn_id = await call.say(text, None if turn_id is None else str(turn_id), final)
         except ValueError as e:
             return error(409, "turn_cleared", str(e))
+        except ConnectionClosed:
+            return error(503, "tts_unavailable", "the TTS session of this call has ended")
         return JSONResponse({"call_sid": call.call_sid, "turn_id": turn_id})
 
     async def clear(request: Request) -> Response:
@@ -281,7 +283,10 @@ def create_app(config: BridgeConfig) -> Starlette:
         call = calls.get(request.path_params["call_sid"])
         if call is None:
             return error(404, "call_not_found", "no stream is connected for this callSid")
-        return JSONResponse({"call_sid": call.call_sid, "cancelled": await call.clear()})
+        try:
+            return JSONResponse({"call_sid": call.call_sid, "cancelled": await call.clear()})
+        except ConnectionClosed:
+            return error(503, "tts_unavailable", "the TTS session of this call has ended")
 
     async def list_calls(request: Request) -> Response:
         if not authorized(request):
