@@ -1,0 +1,344 @@
+"""The replica router and launcher, on loopback.
+
+Most tests put the router in front of tiny fake replicas (a few Starlette routes that report a chosen
+load on /health and /ready and echo WebSocket frames), because what they check is placement and
+proxying. The last one starts two real servers on the tiny golden model through the launcher.
+"""
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from app.replicas.pool import Pool
+from app.replicas.router import DrainingServer, Router
+
+REPO = Path(__file__).resolve().parents[1]
+WS_PATH = "/v1/audio/speech/ws"
+
+
+# -- loopback harness ------------------------------------------------------------------------------
+
+class _Uvicorn(DrainingServer):
+    """The router's server class, without touching the test process's signal handlers."""
+
+    def capture_signals(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+class Served:
+    """An ASGI app served by uvicorn on a free loopback port, as a task of the running loop."""
+
+    def __init__(self, app, drain_timeout: float = 0.0):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.ws = self.url.replace("http", "ws", 1)
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", ws_per_message_deflate=False)
+        self.server = _Uvicorn(config, app if isinstance(app, Router) else None, drain_timeout)
+
+    async def __aenter__(self):
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        for _ in range(500):
+            if self.server.started:
+                return self
+            await asyncio.sleep(0.01)
+        raise TimeoutError("server did not start")
+
+    async def stop(self):
+        self.server.should_exit = True
+        await asyncio.wait_for(self.task, 10)
+
+    async def __aexit__(self, *exc):
+        if not self.task.done():
+            self.server.force_exit = True
+            await self.stop()
+
+
+def fake_replica(max_batch: int = 4):
+    """A stand-in for a server: reports `state` on /health and /ready, echoes WebSocket frames."""
+    state = SimpleNamespace(ready=True, active=0, elsewhere=0, queue=0, max_batch=max_batch, full=False,
+                            closed_with=[], seen_headers=[])
+
+    async def health(request):
+        return JSONResponse({"status": "ok", "active_sessions": state.active + state.elsewhere,
+                             "queue_depth": state.queue, "max_batch": state.max_batch, "model": "fake"})
+
+    async def ready(request):
+        return JSONResponse({}, status_code=200 if state.ready else 503)
+
+    async def speech(request):
+        if state.full:
+            return JSONResponse({"error": {"code": "overloaded", "message": "full"}}, status_code=503,
+                                headers={"retry-after": "1"})
+        state.seen_headers.append(dict(request.headers))
+        text = (await request.json())["input"]
+
+        async def chunks():
+            for i in range(3):
+                yield f"{text}:{i};".encode()
+                await asyncio.sleep(0.01)
+        return StreamingResponse(chunks(), media_type="audio/pcm", headers={"x-audio-seconds": "0.24"})
+
+    async def session(ws):
+        if state.full:
+            return await ws.close(1013)
+        await ws.accept(subprotocol=(ws.scope.get("subprotocols") or [None])[0])
+        state.active += 1
+        try:
+            await ws.send_json({"type": "session.created", "authorization": ws.headers.get("authorization"),
+                                "query": ws.url.query})
+            while True:
+                message = await ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    state.closed_with.append(message.get("code"))
+                    return
+                if message.get("text") == "close please":
+                    return await ws.close(4001, "asked to")
+                if message.get("text") is not None:
+                    await ws.send_text(message["text"])
+                else:
+                    await ws.send_bytes(message["bytes"])
+        finally:
+            state.active -= 1
+
+    app = Starlette(routes=[Route("/health", health), Route("/ready", ready),
+                            Route("/v1/audio/speech", speech, methods=["POST"]), WebSocketRoute(WS_PATH, session)])
+    return app, state
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def settle(router: Router, rounds: int = 2):
+    await asyncio.wait_for(router.pool.wait_polled(rounds), 5)
+
+
+async def until(condition, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def replica_of(ws) -> str:
+    created = json.loads(await ws.recv())
+    assert created["type"] == "session.created"
+    return ws.response.headers["x-replica"]
+
+
+async def get(url: str) -> httpx.Response:
+    async with httpx.AsyncClient() as client:
+        return await client.get(url)
+
+
+def make_router(*replicas, **kw) -> Router:
+    return Router(Pool([r.url for r in replicas], interval=0.05, timeout=0.5), **kw)
+
+
+# -- placement -------------------------------------------------------------------------------------
+
+def test_sessions_spread_evenly_and_follow_reported_load():
+    async def main():
+        (app_a, a), (app_b, b) = fake_replica(max_batch=4), fake_replica(max_batch=4)
+        async with Served(app_a) as ra, Served(app_b) as rb:
+            router = make_router(ra, rb)
+            async with Served(router) as front:
+                await settle(router)
+                # opened together: the router counts what it just placed, so they alternate
+                sockets = await asyncio.gather(*(connect(front.ws + WS_PATH) for _ in range(4)))
+                placed = [await replica_of(ws) for ws in sockets]
+                assert sorted(placed) == sorted([ra.url, ra.url, rb.url, rb.url])
+                assert a.active == 2 and b.active == 2
+                for ws in sockets:
+                    await ws.close()
+                await until(lambda: a.active == b.active == router.pool.open_total == 0)
+
+                # load is relative to max_batch, and counts sessions the replica has from elsewhere:
+                # A has 2 of 8 busy, B 1 of 2, so A takes two (2/8 -> 4/8) before B (1/2) ties with it;
+                # on a tie the replica that got work least recently wins
+                a.max_batch, a.elsewhere, b.max_batch, b.elsewhere = 8, 2, 2, 1
+                await settle(router)
+                sockets = [await connect(front.ws + WS_PATH) for _ in range(3)]
+                assert [await replica_of(ws) for ws in sockets] == [ra.url, ra.url, rb.url]
+                for ws in sockets:
+                    await ws.close()
+    run(main())
+
+
+def test_replica_that_goes_away_or_drains_gets_no_new_sessions():
+    async def main():
+        (app_a, a), (app_b, b) = fake_replica(), fake_replica()
+        async with Served(app_a) as ra, Served(app_b) as rb:
+            router = make_router(ra, rb)
+            # a second router that polls once at start and then not for a minute: it only learns
+            # that a replica is gone when a connect to it fails
+            blind = Router(Pool([ra.url, rb.url], interval=60, timeout=0.5))
+            async with Served(router) as front, Served(blind) as blind_front:
+                await settle(router)
+                await until(lambda: all(r.ready for r in blind.pool.replicas.values()))
+                kept = await connect(front.ws + WS_PATH)
+                kept_on = await replica_of(kept)
+                other = rb if kept_on == ra.url else ra
+                other_state = b if other is rb else a
+
+                # draining (/ready 503): no new sessions, open ones untouched
+                other_state.ready = False
+                await settle(router)
+                fresh = [await connect(front.ws + WS_PATH) for _ in range(3)]
+                assert [await replica_of(ws) for ws in fresh] == [kept_on] * 3
+                other_state.ready = True
+                await settle(router)
+
+                await other.stop()
+                # gone since the last poll: the refused connect is skipped within the same request
+                assert blind.pool.replicas[other.url].ready
+                sockets = [await connect(blind_front.ws + WS_PATH) for _ in range(3)]
+                assert [await replica_of(ws) for ws in sockets] == [kept_on] * 3
+                assert not blind.pool.replicas[other.url].ready
+                blind.pool.replicas[other.url].ready = True  # same for a REST request
+                async with httpx.AsyncClient() as client:
+                    r = await client.post(blind_front.url + "/v1/audio/speech", json={"input": "x"})
+                    assert r.status_code == 200 and r.headers["x-replica"] == kept_on
+
+                # and the polls keep it out
+                await settle(router)
+                assert not router.pool.replicas[other.url].ready
+                health = (await get(front.url + "/health")).json()
+                assert health["ready_replicas"] == 1 and health["status"] == "ok"
+                fresh += [await connect(front.ws + WS_PATH) for _ in range(2)]
+                assert [await replica_of(ws) for ws in fresh[-2:]] == [kept_on] * 2
+
+                await kept.send("still here")
+                assert await kept.recv() == "still here"
+                for ws in [kept, *fresh, *sockets]:
+                    await ws.close()
+    run(main())
+
+
+def test_no_ready_replica_is_503_with_retry_after():
+    async def main():
+        (app_a, a), = [fake_replica()]
+        async with Served(app_a) as ra:
+            a.ready = False
+            router = make_router(ra)
+            async with Served(router) as front:
+                await settle(router)
+                async with httpx.AsyncClient() as client:
+                    r = await client.post(front.url + "/v1/audio/speech", json={"input": "hi"})
+                    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+                    assert r.json()["error"]["code"] == "unavailable"
+                    assert (await client.get(front.url + "/ready")).status_code == 503
+                    assert (await client.get(front.url + "/health")).json()["status"] == "loading"
+                with pytest.raises(InvalidStatus) as refused:
+                    await connect(front.ws + WS_PATH)
+                assert refused.value.response.status_code == 503
+                assert json.loads(refused.value.response.body)["error"]["code"] == "unavailable"
+                metrics = (await get(front.url + "/metrics")).text
+                assert 'qwen3_tts_router_rejected_total{kind="ws"} 1.0' in metrics
+                assert 'qwen3_tts_router_rejected_total{kind="http"} 1.0' in metrics
+
+                a.ready = True
+                await settle(router)
+                assert (await get(front.url + "/ready")).status_code == 200
+                async with connect(front.ws + WS_PATH) as ws:
+                    assert await replica_of(ws) == ra.url
+    run(main())
+
+
+def test_websocket_frames_headers_and_close_codes_pass_through():
+    async def main():
+        (app_a, a), = [fake_replica()]
+        async with Served(app_a) as ra:
+            router = make_router(ra)
+            async with Served(router) as front:
+                await settle(router)
+                url = front.ws + WS_PATH + "?api_key=k%201"
+                async with connect(url, additional_headers={"Authorization": "Bearer sekrit"},
+                                   subprotocols=["tts.v1"]) as ws:
+                    created = json.loads(await ws.recv())
+                    assert created["authorization"] == "Bearer sekrit" and created["query"] == "api_key=k%201"
+                    assert ws.subprotocol == "tts.v1"
+                    await ws.send('{"type": "ping"}')
+                    assert await ws.recv() == '{"type": "ping"}'          # text stays text
+                    payload = bytes(range(256)) * 64
+                    await ws.send(payload)
+                    assert await ws.recv() == payload                    # binary stays binary
+                    await ws.send("close please")
+                    with pytest.raises(ConnectionClosed):
+                        await ws.recv()
+                    assert ws.close_code == 4001 and ws.close_reason == "asked to"  # replica's close relayed
+
+                async with connect(front.ws + WS_PATH) as ws:
+                    await ws.recv()
+                    await ws.close(code=4002, reason="client done")
+                await until(lambda: a.closed_with == [4002])            # client's close relayed
+                await until(lambda: router.pool.open_total == 0 and a.active == 0)
+    run(main())
+
+
+def test_rest_is_streamed_and_a_full_replica_is_skipped():
+    async def main():
+        (app_a, a), (app_b, b) = fake_replica(), fake_replica()
+        async with Served(app_a) as ra, Served(app_b) as rb:
+            router = make_router(ra, rb)
+            async with Served(router) as front:
+                await settle(router)
+                async with httpx.AsyncClient() as client:
+                    async with client.stream("POST", front.url + "/v1/audio/speech", json={"input": "hey"},
+                                             headers={"authorization": "Bearer x"}) as r:
+                        assert r.status_code == 200 and r.headers["content-type"] == "audio/pcm"
+                        assert r.headers["x-audio-seconds"] == "0.24"
+                        assert b"".join([c async for c in r.aiter_raw()]) == b"hey:0;hey:1;hey:2;"
+                    first = r.headers["x-replica"]
+                    seen = (a if first == ra.url else b).seen_headers[-1]
+                    assert seen["authorization"] == "Bearer x" and seen["x-forwarded-for"] == "127.0.0.1"
+
+                    a.full = True  # 503 from A: the same body goes to B
+                    for _ in range(4):
+                        r = await client.post(front.url + "/v1/audio/speech", json={"input": "x"})
+                        assert r.status_code == 200 and r.headers["x-replica"] == rb.url
+                    b.full = True  # both full: the replica's own 503 reaches the client
+                    r = await client.post(front.url + "/v1/audio/speech", json={"input": "x"})
+                    assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+                    assert r.headers["retry-after"] == "1"
+    run(main())
+
+
+def test_router_drains_on_first_signal():
+    async def main():
+        (app_a, a), = [fake_replica()]
+        async with Served(app_a) as ra:
+            router = make_router(ra)
+            async with Served(router, drain_timeout=30) as front:
+                await settle(router)
+                ws = await connect(front.ws + WS_PATH)
+                await replica_of(ws)
+                front.server.handle_exit(signal.SIGTERM, None)
+                assert (await get(front.url + "/ready")).status_code == 503
+                with pytest.raises(InvalidStatus):
+                    await connect(front.ws + WS_PATH)
+                await asyncio.sleep(0.3)
+                assert not front.task.done()                 # waits for the open session...
+                await ws.send("bye?")
+                assert await ws.recv() == "bye?"             # ...which still works
+                await ws.close()
+                await asyncio.wait_for(front.task, 5)        # and exits once it has ended
+    run(main())
