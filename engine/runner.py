@@ -1,0 +1,184 @@
+"""The batched generation step over slots: prefill of new rows, and one decode step for all rows.
+
+`ModelRunner` owns the talker KV cache, the code-predictor cache and every per-slot state tensor on
+the device: cache length, the last final-normed hidden state `h` and the pending first code `c0`
+sampled from it, the repetition-penalty history, the count of c0 tokens generated, the frame limit,
+and the sampling parameters (seeds included). It has no threads and no queue: the one-shot
+synthesizer (`engine.synth`) and the streaming scheduler drive it.
+
+Frame accounting (MODEL.md 6.4, T8). A row's k-th sampled c0 (k = 0 at the end of its prefill) is
+"pending" until the next `step` completes frame k with the code predictor and feeds it back. A
+sampled EOS is never a frame; a row whose limit is `max_frames` stops when its c0 number
+`max_frames` is sampled (the official max_new_tokens = max_frames + 1 gives max_frames frames). EOS
+is impossible for k < 2, so a row makes at least 2 frames unless its limit is lower.
+
+Protocol (slots are integers 0..max_batch-1; the caller owns the allocation):
+    runner.admit(slots, params, max_frames)          # O(1) per slot: fresh state
+    status = runner.prefill(slots, chunks, last)     # any slots; one talker forward; chunked prompts OK
+    out = runner.step(n, active, text_embeds)        # slots 0..n-1, one frame for every active row
+    out.frames[b], out.status[b] (RUNNING / EOS / LIMIT): a finished row's slot may be admitted again.
+Decode runs over the contiguous slot range 0..n-1 with no gather; a row that is inactive in a step
+(free, finished, still prefilling, or waiting for text) is computed but none of its state changes.
+Rows of one decode batch must be packed into the low slots by the caller to keep n small.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .requests import SamplingParams
+from .sampling import SamplingTensors, TalkerLogitsProcessor, sample_subtalker, sample_talker
+
+RUNNING, EOS, LIMIT = 0, 1, 2
+
+
+@dataclass
+class StepOutput:
+    frames: torch.Tensor       # [n, 16] int64 on the device (rows that were not active: garbage)
+    frames_cpu: torch.Tensor   # the same on the host
+    status: list[int]          # per row: RUNNING, EOS (next c0 was EOS: no more frames) or LIMIT
+
+
+class ModelRunner:
+    def __init__(self, model, max_batch: int, capacity: int, kv_bucket: int = 64):
+        """model: an `engine.loader.TTSModel` (uses `.talker`, `.config`, `.device`).
+
+        capacity: talker positions per slot (prompt + frames); a row whose cache would overflow
+        finishes with LIMIT. kv_bucket: attention reads keys up to the live maximum length rounded up
+        to this multiple (fewer distinct shapes; 1 = exact length).
+        """
+        self.talker = model.talker
+        cfg = model.config.talker
+        self.device = self.talker.codec_head.weight.device
+        self.dtype = self.talker.codec_head.weight.dtype
+        self.max_batch, self.capacity, self.kv_bucket = max_batch, capacity, kv_bucket
+        self.eos_id = cfg.codec_eos_token_id
+        self.cache = self.talker.new_cache(max_batch, capacity)
+        self.cp_cache = self.talker.code_predictor.new_cache(max_batch)
+        self.processor = TalkerLogitsProcessor(cfg.vocab_size, self.eos_id, self.device)
+        dev, s = self.device, max_batch
+        hidden = cfg.transformer.hidden_size
+        self.length = torch.zeros(s, dtype=torch.long, device=dev)       # positions in the cache
+        self.h = torch.zeros(s, hidden, dtype=self.dtype, device=dev)    # hidden that gave c0
+        self.c0 = torch.zeros(s, dtype=torch.long, device=dev)           # pending first code
+        self.seen = torch.zeros(s, cfg.vocab_size, dtype=torch.bool, device=dev)  # c0 history
+        self.generated = torch.zeros(s, dtype=torch.long, device=dev)    # c0 tokens sampled so far
+        self.limit = torch.zeros(s, dtype=torch.long, device=dev)        # max frames
+        self.params = SamplingTensors.from_params([SamplingParams(seed=0)] * s, dev)
+        self.lengths = np.zeros(s, dtype=np.int64)   # host mirror of `length`: kmax without a device sync
+
+    def grow(self, capacity: int) -> None:
+        """Reallocate the talker cache with more positions per slot, keeping its contents."""
+        if capacity <= self.capacity:
+            return
+        old = self.cache
+        self.cache = self.talker.new_cache(self.max_batch, capacity)
+        self.cache.k[:, :, :old.capacity] = old.k[:, :, :old.capacity]
+        self.cache.v[:, :, :old.capacity] = old.v[:, :, :old.capacity]
+        self.capacity = capacity
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def admit(self, slots: list[int], params: list[SamplingParams], max_frames: list[int]) -> None:
+        """Give `slots` fresh state for new requests (their old contents are forgotten)."""
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        self.params.assign(idx, SamplingTensors.from_params(params, self.device))
+        self.length[idx] = 0
+        self.generated[idx] = 0
+        self.seen[idx] = False
+        self.limit[idx] = torch.as_tensor(max_frames, dtype=torch.long, device=self.device)
+        self.lengths[slots] = 0
+
+    # -- prefill ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, slots: list[int], chunks: list[torch.Tensor], last: list[bool] | None = None) -> list[int]:
+        """Append prompt chunks [T_i, D] to `slots` in one right-padded talker forward.
+
+        A long prompt can be fed in several calls (each continues where the slot's cache ends), so a
+        prefill never holds up the decode batch for more than one chunk. For rows whose chunk ends
+        their prompt (`last`, default all), the first c0 is sampled and the row is ready to `step`.
+        Returns the status per row (LIMIT when max_frames is 0 or the prompt fills the cache).
+        """
+        last = [True] * len(slots) if last is None else last
+        sizes = [c.shape[0] for c in chunks]
+        starts = [int(self.lengths[s]) for s in slots]
+        if any(st + n > self.capacity for st, n in zip(starts, sizes)):
+            raise ValueError(f"prompt longer than the cache capacity {self.capacity}")
+        t = max(sizes)
+        x = torch.zeros(len(slots), t, chunks[0].shape[1], dtype=self.dtype, device=self.device)
+        for i, c in enumerate(chunks):
+            x[i, :sizes[i]] = c
+        idx = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        start = torch.as_tensor(starts, dtype=torch.long, device=self.device)
+        kmax = min(self.capacity, max(st + n for st, n in zip(starts, sizes)))
+        hidden = self.talker(x, self.cache, start, slots=idx, kmax=kmax)
+        self.lengths[slots] += sizes
+        self.length[idx] = start + torch.as_tensor(sizes, dtype=torch.long, device=self.device)
+        done = [i for i, f in enumerate(last) if f]
+        if not done:
+            return [RUNNING] * len(slots)
+        rows = torch.as_tensor(done, dtype=torch.long, device=self.device)
+        di = idx[rows]
+        h = hidden[rows, torch.as_tensor([sizes[i] - 1 for i in done], device=self.device)]
+        c0 = sample_talker(self.processor, self.talker.logits(h), self.seen[di], self.generated[di],
+                           self._params_of(di))
+        self.h[di] = h
+        self.c0[di] = c0
+        self.seen[di] = self.seen[di].scatter(1, c0[:, None], True)
+        self.generated[di] += 1
+        status = self._status(c0, self.generated[di], self.length[di], self.limit[di]).cpu().tolist()
+        out = [RUNNING] * len(slots)
+        for i, st in zip(done, status):
+            out[i] = st
+        return out
+
+    def _params_of(self, idx: torch.Tensor) -> SamplingTensors:
+        p = self.params
+        return SamplingTensors(**{n: getattr(p, n)[idx] for n in p._tensors()},
+                               talker_top_p_any=p.talker_top_p_any, sub_top_p_any=p.sub_top_p_any)
+
+    def _status(self, c0, generated, length, limit) -> torch.Tensor:
+        """EOS if c0 is EOS; LIMIT if c0 is frame number `limit` or the cache has no room for it."""
+        full = length >= self.capacity
+        over = (generated > limit) | full
+        return torch.where(c0 == self.eos_id, EOS, torch.where(over, LIMIT, RUNNING))
+
+    # -- decode ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, n: int, active: list[bool], text_embeds: torch.Tensor) -> StepOutput:
+        """One frame for every active row among slots 0..n-1.
+
+        active: n host bools; text_embeds [n, D]: the text term each row adds to its frame embedding
+        (its next trailing text embed, tts_eos, or tts_pad; ignored for inactive rows).
+        For each active row: the code predictor completes frame k from (h, c0), the talker runs
+        embed_frame(frame) + text at the next position, and c0 number k+1 is sampled. The frame is
+        returned; status says whether the row continues (inactive rows: RUNNING, state untouched).
+        One host->device copy (the mask) and one device->host copy (frames + status).
+        """
+        on_host = np.asarray(active, dtype=bool)
+        act = torch.from_numpy(on_host).to(self.device, non_blocking=True)
+        params = self.params.head(n)
+        frame_index = self.generated[:n] - 1
+        h, c0 = self.h[:n], self.c0[:n]
+        rest = self.talker.predict_codes(
+            h, c0, lambda logits, group: sample_subtalker(logits, group, frame_index, params), self.cp_cache)
+        frames = torch.cat([c0[:, None], rest], dim=1)
+        x = self.talker.embed_frame(frames) + text_embeds.to(self.dtype)
+        live = int(self.lengths[:n].max()) + 1
+        kmax = min(self.capacity, -(-live // self.kv_bucket) * self.kv_bucket)
+        hidden = self.talker(x[:, None], self.cache, self.length[:n], kmax=kmax)[:, 0]
+        new_c0 = sample_talker(self.processor, self.talker.logits(hidden), self.seen[:n], self.generated[:n], params)
+        self.h[:n] = torch.where(act[:, None], hidden, h)
+        self.c0[:n] = torch.where(act, new_c0, c0)
+        self.seen[:n] |= torch.zeros_like(self.seen[:n]).scatter_(1, new_c0[:, None], True) & act[:, None]
+        self.generated[:n] += act
+        self.length[:n] += act
+        self.lengths[:n] += on_host
+        status = self._status(new_c0, self.generated[:n], self.length[:n], self.limit[:n])
+        status = torch.where(act, status, RUNNING)
+        packed = torch.cat([frames, status[:, None]], dim=1).cpu()
+        return StepOutput(frames, packed[:, :16], packed[:, 16].tolist())
