@@ -1,10 +1,12 @@
 """Speech-tokenizer decoder against the official golden waveforms, and the streaming decoder against
 the unchunked decode.
 
-Streaming exactness is checked in fp64: there any error in the carried state (contexts, positions,
-window mask) shows up at full size while float noise is ~1e-13. In fp32 the BLAS kernels round
-differently for different lengths, and this tiny random model amplifies those last-bit differences
-~30x (activations reach ~700 before the last conv), so fp32 streaming is held to the golden 1e-4.
+Streaming exactness is checked in fp64: an error in the carried state (contexts, frame counts,
+window mask) costs >= 1e-3 there, while the only noise left is the fp32 RoPE tables (computed in fp32
+by design, at window-local positions that differ from the unchunked decode's): ~3e-6. In fp32 the
+BLAS kernels round differently for different lengths, and this tiny random model amplifies those
+last-bit differences ~30x (activations reach ~700 before the last conv), to ~4e-5 -- as large as
+fp32 vs fp64 of one unchunked decode -- so fp32 streaming is held to the golden 1e-4.
 """
 import copy
 
@@ -18,7 +20,7 @@ from engine.weights import load_into, read_safetensors
 
 SPF = 1920
 GOLDEN_TOL = 1e-4
-EXACT_TOL = 1e-6   # fp64 state logic, compared after the fp32 cast of the output
+EXACT_TOL = 1e-5   # fp64 streaming vs unchunked: only the fp32 RoPE tables differ (~3e-6)
 
 
 @pytest.fixture(scope="module", autouse=True)

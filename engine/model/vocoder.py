@@ -184,7 +184,9 @@ class LayerScale(nn.Module):
 class WindowAttention(nn.Module):
     """Causal sliding-window attention (query at p sees keys p-window < j <= p, T21), no QK-norm.
 
-    Its context is the last window-1 keys (after RoPE) and values, [B, 2, kv_heads, window-1, head_dim].
+    Its context is the last window-1 keys (before RoPE) and values, [B, 2, kv_heads, window-1, head_dim].
+    RoPE positions are local to [context, new frames] (key k at k, query i at window-1+i): attention
+    depends only on relative positions, and the angles stay small however long a stream runs.
     """
 
     def __init__(self, cfg: DecoderConfig):
@@ -198,14 +200,15 @@ class WindowAttention(nn.Module):
         self.context_shape = (2, self.kv_heads, self.context_len, self.head_dim)
 
     def forward(self, x, cos, sin, mask, context: dict) -> torch.Tensor:
+        """cos/sin [1, window-1+t, head_dim] for positions 0..window-2+t; mask [B, 1, t, window-1+t]."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv = torch.cat([context[self], torch.stack([k, v], dim=1)], dim=3)   # [B, 2, Hkv, S + t, Dh]
         context[self] = kv[:, :, :, t:]
-        out = F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=mask,
+        q = apply_rope(q, cos[:, self.context_len:], sin[:, self.context_len:])
+        out = F.scaled_dot_product_attention(q, apply_rope(kv[:, 0], cos, sin), kv[:, 1], attn_mask=mask,
                                              enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -245,11 +248,10 @@ class Transformer(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor, start: torch.Tensor, context: dict) -> torch.Tensor:
-        """x [B, t, latent] at positions start[b]..start[b]+t-1; context holds the previous window-1."""
+        """x [B, t, latent], frames start[b].. of each row; context holds the previous window-1 frames."""
         t, past = x.shape[1], self.window - 1
-        positions = start[:, None] + torch.arange(t, device=x.device)                 # [B, t]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        # Key k of [context, x] sits at position start - past + k; query i at start + i.
+        cos, sin = rope_cos_sin(torch.arange(past + t, device=x.device)[None], self.inv_freq, x.dtype)
+        # Key k of [context, x] is frame start - past + k and query i is frame start + i.
         key = torch.arange(past + t, device=x.device)
         query = torch.arange(t, device=x.device)[:, None]
         in_window = (key >= query) & (key <= query + past)                          # [t, past + t]
