@@ -335,8 +335,8 @@ class Vocoder(nn.Module):
 class VocoderStreams:
     """Streaming decode state of up to `max_streams` streams in preallocated slot-indexed tensors.
 
-    Slot s holds, for stream s, every op's left context and its frame count (the next transformer
-    position). `decode` advances several streams by the same W frames in one batched call; the audio
+    Slot s holds, for stream s, every op's left context and its frame count (which of the
+    attention's context frames are real). `decode` advances several streams by the same W frames in one batched call; the audio
     of a stream, concatenated over its windows of any sizes, equals `Vocoder.decode_unchunked` of all
     its frames. The call has static shapes per (batch, W) and no host sync, so it can be captured in
     a CUDA graph; rows padding a batch to a captured size use `pad_slot`, a spare slot nobody owns.
