@@ -127,8 +127,8 @@ function sendSettings() {
     format: { encoding: 'f32le', sample_rate: SAMPLE_RATE },
     audio_framing: 'raw',
     language: $('language').value,
+    voice: $('voice').value || 'default',
   };
-  if ($('voice').value) update.voice = $('voice').value;
   const json = JSON.stringify(update);
   if (json !== settingsSent) {
     ws.send(json);
@@ -460,7 +460,10 @@ async function init() {
   try {
     const health = await (await fetch('health')).json();
     $('model').textContent = health.model || 'model';
-    if (health.demo || /demo|random|tiny/i.test(String(health.model))) $('demo-banner').hidden = false;
+    if (health.demo === true) {
+      if (health.notice) $('demo-banner').textContent = `${health.notice[0].toUpperCase()}${health.notice.slice(1)}.`;
+      $('demo-banner').hidden = false;
+    }
     await loadVoices();
   } catch (err) {
     status(`server not reachable: ${err.message}`, true);
