@@ -1,0 +1,270 @@
+"""What both routes share: the model, the scheduler, the voices, readiness and limits.
+
+`Service.start` loads the model (or a random tiny one with --demo), starts the scheduler, computes
+the built-in default voice, loads the registered voices and runs one short warm-up turn; only then is
+the server ready. The WebSocket and REST code only call `voice`, `clone`, `submit` and `health`.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import soundfile as sf
+import torch
+
+from engine.audio_io import TARGET_RATE, AudioError, load_reference
+from engine.requests import SamplingParams, SpeechRequest, VoicePrompt
+from engine.scheduler import Overloaded, RequestHandle, Scheduler
+
+from .errors import ApiError
+from .metrics import Metrics
+from .params import default_sampling
+from .voices import VoiceStore, valid_voice_id
+
+log = logging.getLogger("qwen3_tts.server")
+
+DEFAULT_VOICE_WAV = Path(__file__).resolve().parent / "assets" / "default_voice.wav"
+DEFAULT_VOICE_ID = "default"
+# OpenAI's built-in voice names: clients send one (the field is required there); they mean "the default".
+OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage",
+                           "shimmer", "verse", "marin", "cedar"})
+DEMO_MODEL_NAME = "qwen3-tts-demo (random tiny weights: the audio is noise)"
+RETRY_AFTER_S = 1.0
+WARMUP_TEXT = "Hello."
+
+
+@dataclass
+class Settings:
+    """Server settings (flags and environment, see app.main). Limits are per request / session."""
+    model_dir: str = "models/0.6b-base"
+    host: str = "127.0.0.1"
+    port: int = 8090
+    max_batch: Optional[int] = None
+    device: Optional[str] = None
+    dtype: Optional[str] = None
+    voices_dir: str = "voices"
+    demo: bool = False
+    api_key: Optional[str] = None
+    max_text_chars: int = 4096
+    max_ref_seconds: float = 30.0
+    max_ref_bytes: int = 16 * 1024 * 1024       # decoded reference file
+    max_body_bytes: int = 24 * 1024 * 1024      # REST body / WebSocket message (base64 reference inside)
+    max_frames: Optional[int] = None            # cap on a turn's frames (None: the model's limit)
+    idle_timeout_s: float = 60.0
+    send_buffer_bytes: int = 4 * 1024 * 1024    # audio queued for one WebSocket before it counts as too slow
+    max_sessions: int = 1024
+    max_queue: int = 1024
+    warmup: bool = True
+
+
+def pick_device(name: Optional[str]) -> str:
+    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def pick_dtype(name: Optional[str], device: str) -> torch.dtype:
+    if name is None:
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def kv_bytes_per_position(model) -> int:
+    t = model.config.talker.transformer
+    return t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * torch.finfo(model.dtype).bits // 8
+
+
+def size_engine(model, max_batch: Optional[int]) -> tuple[int, Optional[int]]:
+    """(max_batch, max_capacity) for the scheduler. On a GPU both come from free memory: slots for
+    turns of ~2048 frames at 70% of it, and a cache capacity that fits all slots at once."""
+    if model.device.type != "cuda":
+        return max_batch or 16, None
+    free, _ = torch.cuda.mem_get_info(model.device)
+    per_position = kv_bytes_per_position(model) * 1.5      # vocoder state and activations on top
+    budget = free * 0.7
+    batch = max_batch or max(1, min(256, int(budget // (2048 * per_position))))
+    return batch, max(1024, int(budget // (batch * per_position)))
+
+
+class Service:
+    def __init__(self, settings: Settings, metrics: Metrics, scheduler: Optional[Scheduler] = None,
+                 on_fatal: Optional[Callable[[], None]] = None):
+        self.settings = settings
+        self.metrics = metrics
+        self.scheduler = scheduler
+        self.model = scheduler.model if scheduler is not None else None
+        self.owns_scheduler = scheduler is None
+        self.on_fatal = on_fatal
+        self.started_at = time.time()
+        self.status = "loading"            # loading -> ok -> draining, or error
+        self.error: Optional[str] = None
+        self.model_name = DEMO_MODEL_NAME if settings.demo else str(settings.model_dir).rstrip("/").split("/")[-1]
+        self.voices: Optional[VoiceStore] = None
+        self.builtin_voice: Optional[VoicePrompt] = None
+        self.sampling_defaults = SamplingParams()
+        self.active = {"ws": 0, "rest": 0}
+        self.closing = asyncio.Event()     # set when the server stops: sessions end themselves
+        self._voice_lock: Optional[asyncio.Lock] = None
+        self._demo_dir: Optional[tempfile.TemporaryDirectory] = None
+        metrics.watch(lambda: self.scheduler.stats().queued if self.scheduler else 0, self._gpu_memory)
+
+    # -- life cycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            if self.scheduler is None:
+                self.scheduler = await asyncio.to_thread(self._build)
+            self.model = self.scheduler.model
+            self.sampling_defaults = default_sampling(self.model.config.generation)
+            self.voices = VoiceStore(self.settings.voices_dir, int(self.model.config.talker.transformer.hidden_size))
+            await asyncio.to_thread(self.voices.load)
+            wav, sr = sf.read(str(DEFAULT_VOICE_WAV), dtype="float32")
+            self.builtin_voice = await asyncio.to_thread(self.model.make_voice, wav, sr)
+            if self.settings.warmup:
+                await self._warm_up()
+            self.status = "ok"
+            log.info("ready: %s on %s (%s), max_batch %d", self.model_name, self.model.device, self.model.dtype,
+                     self.scheduler.max_batch)
+        except Exception as e:
+            log.exception("could not start the model")
+            self.status, self.error = "error", f"{type(e).__name__}: {e}"
+            if self.on_fatal is not None:
+                self.on_fatal()
+
+    def _build(self) -> Scheduler:
+        from engine.loader import load_model
+        s = self.settings
+        device = pick_device(s.device)
+        dtype = pick_dtype(s.dtype, device)
+        model_dir = self._demo_model() if s.demo else s.model_dir
+        log.info("loading %s on %s (%s)", model_dir, device, dtype)
+        model = load_model(model_dir, device, dtype)
+        max_batch, max_capacity = size_engine(model, s.max_batch)
+        return Scheduler(model, max_batch, max_capacity=max_capacity, max_queue=s.max_queue).start()
+
+    def _demo_model(self) -> Path:
+        from engine.testing.random_model import write_random_model
+        self._demo_dir = tempfile.TemporaryDirectory(prefix="qwen3-tts-demo-")
+        path = Path(self._demo_dir.name) / "tiny"
+        write_random_model(path, preset="tiny")
+        return path
+
+    async def _warm_up(self) -> None:
+        """One short greedy turn through the whole path (prefill, decode, vocoder)."""
+        request = SpeechRequest(WARMUP_TEXT, self.builtin_voice, sampling=SamplingParams(greedy=True), max_frames=4,
+                                request_id="warmup")
+        result = None
+        async for item in self.scheduler.submit(request):
+            result = item
+        if result.reason == "error":
+            raise RuntimeError(f"warm-up turn failed: {result.error}")
+
+    async def stop(self) -> None:
+        self.status = "draining" if self.status == "ok" else self.status
+        self.closing.set()
+        if self.scheduler is not None and self.owns_scheduler:
+            await asyncio.to_thread(self.scheduler.stop, 10.0)
+        if self._demo_dir is not None:
+            self._demo_dir.cleanup()
+
+    # -- used by the routes ------------------------------------------------------------------------
+
+    def require_ready(self) -> None:
+        if self.status == "ok":
+            return
+        if self.status == "loading":
+            raise ApiError(503, "loading", "the model is still loading", retry_after=5)
+        if self.status == "draining":
+            raise ApiError(503, "shutting_down", "the server is shutting down", retry_after=RETRY_AFTER_S)
+        raise ApiError(503, "not_ready", f"the model failed to load: {self.error}")
+
+    def default_voice(self) -> VoicePrompt:
+        return self.voices.get(DEFAULT_VOICE_ID) or self.builtin_voice
+
+    def voice(self, voice) -> VoicePrompt:
+        """A voice by id (or OpenAI's {"id": ...}); None, "default" and OpenAI's names: the default."""
+        if isinstance(voice, dict):
+            voice = voice.get("id")
+        if voice is None or voice == "" or voice == DEFAULT_VOICE_ID:
+            return self.default_voice()
+        if not isinstance(voice, str):
+            raise ApiError(400, "invalid_request", "voice must be a voice id string")
+        found = self.voices.get(voice) if valid_voice_id(voice) else None
+        if found is not None:
+            return found
+        if voice.lower() in OPENAI_VOICES:
+            return self.default_voice()
+        raise ApiError(404, "voice_not_found", f"no voice {voice!r}; register one with POST /v1/voices")
+
+    async def clone(self, audio: bytes, ref_text: Optional[str], x_vector_only: bool) -> tuple[VoicePrompt, float]:
+        """A voice from a reference file: (prompt, duration in seconds). 413 too big/long, 422 bad audio."""
+        s = self.settings
+        if len(audio) > s.max_ref_bytes:
+            raise ApiError(413, "audio_too_large", f"reference audio is {len(audio)} bytes; the limit is {s.max_ref_bytes}")
+        try:
+            info = sf.info(io.BytesIO(audio))
+        except Exception:
+            info = None    # load_reference below says what is wrong with it
+        if info is not None and 0 < info.frames < 2**62 and info.duration > s.max_ref_seconds:
+            raise ApiError(413, "audio_too_long", f"reference audio is {info.duration:.1f} s; the limit is "
+                                                  f"{s.max_ref_seconds:g} s")
+        if ref_text is not None and not ref_text.strip():
+            raise ApiError(400, "invalid_request", "ref_text is empty: give the transcript of the reference audio, "
+                                                   "or leave it out for an x-vector voice")
+        try:
+            wav = load_reference(audio, max_seconds=s.max_ref_seconds)
+        except AudioError as e:
+            raise ApiError(422, "invalid_audio", str(e)) from None
+        if self._voice_lock is None:
+            self._voice_lock = asyncio.Lock()
+        async with self._voice_lock:   # one at a time: a burst of uploads cannot pile up on the device
+            try:
+                prompt = await asyncio.to_thread(self.model.make_voice, wav, TARGET_RATE, ref_text, x_vector_only)
+            except ValueError as e:
+                raise ApiError(400, "invalid_request", str(e)) from None
+        return prompt, wav.shape[0] / TARGET_RATE
+
+    def max_frames(self, requested: Optional[int]) -> Optional[int]:
+        cap = self.settings.max_frames
+        if requested is None:
+            return cap
+        return requested if cap is None else min(requested, cap)
+
+    def submit(self, request: SpeechRequest) -> RequestHandle:
+        try:
+            return self.scheduler.submit(request)
+        except Overloaded:
+            raise ApiError(503, "overloaded", "the server is at capacity; retry shortly", retry_after=RETRY_AFTER_S) from None
+        except ValueError as e:
+            raise ApiError(400, "invalid_request", str(e)) from None
+        except RuntimeError:
+            raise ApiError(503, "shutting_down", "the server is shutting down", retry_after=RETRY_AFTER_S) from None
+
+    def health(self) -> dict:
+        stats = self.scheduler.stats() if self.scheduler is not None else None
+        out = {"status": self.status, "active_sessions": self.active["ws"] + self.active["rest"],
+               "queue_depth": stats.queued if stats else 0,
+               "max_batch": stats.max_batch if stats else self.settings.max_batch,
+               "model": self.model_name, "demo": self.settings.demo}
+        if self.settings.demo:
+            out["notice"] = "demo mode: random-weight tiny model, the audio is noise"
+        if stats is not None:
+            out.update(batch_active=stats.active, device=str(self.model.device), dtype=str(self.model.dtype).split(".")[-1])
+        if self.error:
+            out["error"] = self.error
+        return out
+
+    def _gpu_memory(self, kind: str) -> float:
+        if not torch.cuda.is_available():
+            return 0.0
+        return float(torch.cuda.memory_allocated() if kind == "allocated" else torch.cuda.memory_reserved())
