@@ -16,6 +16,8 @@ import torch
 class SamplingParams:
     """Talker and code-predictor sampling; defaults are generation_config.json of the 0.6B model.
 
+    `min_new_tokens` above the frame limit suppresses EOS (fixed-length turns for benchmarks).
+
     `greedy` makes both the talker and the code predictor take the argmax (the repetition penalty
     still applies to the talker, as in the official code). `seed` None means a random seed.
     """
@@ -29,6 +31,7 @@ class SamplingParams:
     subtalker_top_k: int = 50
     subtalker_top_p: float = 1.0
     seed: Optional[int] = None
+    min_new_tokens: int = 2   # EOS is impossible before this many talker tokens (official: 2)
 
 
 @dataclass(frozen=True)

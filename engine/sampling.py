@@ -86,6 +86,7 @@ class SamplingTensors:
     sub_top_k: torch.Tensor
     sub_top_p: torch.Tensor           # float64
     seed: torch.Tensor                # int64
+    min_new_tokens: torch.Tensor      # int64
     talker_top_p_any: bool = True
     sub_top_p_any: bool = True
 
@@ -115,6 +116,7 @@ class SamplingTensors:
             sub_top_k=col([p.subtalker_top_k for p in params], torch.long),
             sub_top_p=col([p.subtalker_top_p for p in params], torch.float64),
             seed=col(seeds, torch.long),
+            min_new_tokens=col([p.min_new_tokens for p in params], torch.long),
             talker_top_p_any=any(p.top_p < 1 and not p.greedy for p in params),
             sub_top_p_any=any(p.subtalker_top_p < 1 and not _sub_greedy(p) for p in params),
         )
@@ -153,20 +155,19 @@ class TalkerLogitsProcessor:
     """MODEL.md 6.2 steps 2-4 for the talker: repetition penalty, min-new-tokens, suppression.
 
     Suppressed: ids [vocab-1024, vocab) except EOS (the official `suppress_tokens`). EOS is masked
-    while a row has generated fewer than `min_new_tokens` tokens.
+    while a row has generated fewer than its `min_new_tokens` tokens (officially 2 for every row).
     """
 
-    def __init__(self, vocab_size: int, eos_id: int, device: torch.device | str = "cpu", min_new_tokens: int = 2):
+    def __init__(self, vocab_size: int, eos_id: int, device: torch.device | str = "cpu"):
         ids = torch.arange(vocab_size, device=device)
         self.suppress = (ids >= vocab_size - 1024) & (ids != eos_id)
         self.is_eos = ids == eos_id
-        self.min_new_tokens = min_new_tokens
 
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor, generated: torch.Tensor,
-                 penalty: torch.Tensor) -> torch.Tensor:
-        """logits fp32 [B,V]; seen bool [B,V] (c0 ids generated so far); generated int64 [B]."""
+                 penalty: torch.Tensor, min_new_tokens: torch.Tensor) -> torch.Tensor:
+        """logits fp32 [B,V]; seen bool [B,V] (c0 ids generated so far); generated, min_new_tokens int64 [B]."""
         logits = repetition_penalty(logits, seen, penalty)
-        blocked = self.suppress | (self.is_eos & (generated < self.min_new_tokens)[:, None])
+        blocked = self.suppress | (self.is_eos & (generated < min_new_tokens)[:, None])
         return logits.masked_fill(blocked, _NEG_INF)
 
 
@@ -204,7 +205,7 @@ def sample_talker(processor: TalkerLogitsProcessor, logits: torch.Tensor, seen: 
                   generated: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     """c0 [B] from raw fp32 talker logits [B,V]; `generated` [B] = c0 tokens generated so far by the
     row (also the frame index keying its noise, codebook 0)."""
-    logits = processor(logits, seen, generated, p.repetition_penalty)
+    logits = processor(logits, seen, generated, p.repetition_penalty, p.min_new_tokens)
     return sample(logits, p.greedy, p.temperature, p.top_k, p.top_p, p.seed, generated, 0, p.talker_top_p_any)
 
 

@@ -36,10 +36,13 @@ def test_talker_processor_min_new_tokens_and_suppression():
     proc = TalkerLogitsProcessor(V, EOS)
     logits = torch.zeros(3, V)
     none_seen = torch.zeros(3, V, dtype=torch.bool)
-    out = proc(logits, none_seen, torch.tensor([0, 1, 2]), torch.ones(3))
+    out = proc(logits, none_seen, torch.tensor([0, 1, 2]), torch.ones(3), torch.tensor([2, 2, 2]))
     assert torch.isinf(out[:2, EOS]).all() and out[2, EOS] == 0          # EOS blocked for steps 0, 1
     assert torch.isinf(out[:, 2048:EOS]).all() and torch.isinf(out[:, EOS + 1:]).all()
     assert (out[:, :2048] == 0).all()
+    # a per-row minimum (benchmarks suppress EOS for fixed-length turns)
+    out = proc(logits, none_seen, torch.tensor([5, 5, 5]), torch.ones(3), torch.tensor([2, 6, 100]))
+    assert out[0, EOS] == 0 and torch.isinf(out[1:, EOS]).all()
 
 
 def test_greedy_still_penalised():
