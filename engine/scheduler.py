@@ -70,6 +70,7 @@ class SchedulerStats:
     last_batch_size: int     # rows that advanced in the last decode step
     frames_generated: int    # codec frames generated since start
     waiting_for_text: int    # decoding sessions that sat out the last step for lack of text
+    text_waits: int          # row-steps sat out for lack of text since start
     capacity: int            # talker cache positions per slot
     oom_recoveries: int      # device out-of-memory errors recovered from
 
@@ -232,7 +233,7 @@ class Scheduler:
         self.prompts: PromptBuilder = model.prompts
         self.runner = ModelRunner(model, max_batch, min(capacity, self.max_capacity))
         self.vocoder = StreamingVocoder(model.vocoder, max_batch, WindowPolicy(*window_frames),
-                                        cfg.talker.num_code_groups)
+                                        cfg.talker.num_code_groups, self._out_of_memory)
         self.samples_per_frame = cfg.samples_per_frame
         self._pad_id, self._eos_id = cfg.tts_pad_token_id, cfg.tts_eos_token_id
 
@@ -252,7 +253,7 @@ class Scheduler:
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
         self._defer_admissions = 0
-        self._steps = self._frames_total = self._ooms = 0
+        self._steps = self._frames_total = self._ooms = self._text_waits = 0
         self._last_step_ms, self._last_batch, self._last_sat_out = 0.0, 0, 0
 
     # -- public API (any thread) -------------------------------------------------------------------
@@ -314,6 +315,7 @@ class Scheduler:
                 active=int((self._phase != FREE).sum()), queued=self._queued, max_batch=self.max_batch,
                 steps=self._steps, last_step_ms=self._last_step_ms, last_batch_size=self._last_batch,
                 frames_generated=self._frames_total, waiting_for_text=self._last_sat_out,
+                text_waits=self._text_waits,
                 capacity=self.runner.capacity, oom_recoveries=self._ooms)
 
     def _send(self, command: tuple) -> None:
@@ -433,8 +435,6 @@ class Scheduler:
         if not admitted:
             return
         slots = [self._free.pop(0) for _ in admitted]
-        self.runner.admit(slots, [s.request.sampling for s in admitted], [s.max_frames for s in admitted])
-        self.vocoder.start(slots, [s.request.voice.ref_codes if s.request.voice.icl else None for s in admitted])
         for s, slot in zip(admitted, slots):
             self._waiting.remove(s)
             s.slot, s.ids = slot, []
@@ -445,6 +445,8 @@ class Scheduler:
             self._text_done[slot] = s.text_done
         with self._lock:
             self._queued -= len(admitted)
+        self.runner.admit(slots, [s.request.sampling for s in admitted], [s.max_frames for s in admitted])
+        self.vocoder.start(slots, [s.request.voice.ref_codes if s.request.voice.icl else None for s in admitted])
 
     def _trailing_ids(self, s: _Session, n_trailing: int) -> list[int]:
         """Ids of the prompt's trailing text: the last n of (R if ICL) ++ T ++ (tts_eos if complete).
@@ -530,7 +532,7 @@ class Scheduler:
         if not active.any():
             with self._lock:
                 self._last_sat_out = int(decode.sum())
-            return None
+            return None   # everyone waits for text: the loop sleeps until a command arrives
         room = int(self.runner.lengths[:n][active].max()) + 2
         if room > self.runner.capacity and not self._grow(room):
             return None
@@ -563,6 +565,7 @@ class Scheduler:
             self._frames_total += rows.size
             self._last_batch = int(rows.size)
             self._last_sat_out = int(decode.sum()) - int(rows.size)
+            self._text_waits += self._last_sat_out
         return ended
 
     def _vocode(self, ended: list[_Session]) -> None:

@@ -34,7 +34,11 @@ class WindowPolicy:
 class StreamingVocoder:
     """Per-slot pending frames and stream state for up to `max_streams` slots."""
 
-    def __init__(self, vocoder, max_streams: int, policy: WindowPolicy, num_codebooks: int = 16):
+    def __init__(self, vocoder, max_streams: int, policy: WindowPolicy, num_codebooks: int = 16,
+                 on_out_of_memory=None):
+        """on_out_of_memory(): called on each device out-of-memory error before the work is split
+        (default: release the allocator's cached blocks)."""
+        self.on_out_of_memory = on_out_of_memory or release_cached_memory
         self.streams = VocoderStreams(vocoder, max_streams)
         self.policy = policy
         self.samples_per_frame = vocoder.samples_per_frame
@@ -46,20 +50,17 @@ class StreamingVocoder:
         self.decoded = np.zeros(max_streams, dtype=np.int64)   # frames already turned into audio
 
     def start(self, slots: list[int], ref_codes: list[torch.Tensor | None]) -> None:
-        """Fresh streams for new sessions; ICL ones are primed with their reference codes."""
+        """Fresh streams for new sessions; ICL ones are primed by decoding their reference codes."""
         idx = np.asarray(slots, dtype=np.int64)
         self.count[idx] = 0
         self.decoded[idx] = 0
-        plain = [s for s, r in zip(slots, ref_codes) if r is None]
-        if plain:
-            self.streams.reset(self._index(plain))
+        self.streams.reset(self._index(slots))
         by_length: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for s, r in zip(slots, ref_codes):
             if r is not None:
                 by_length.setdefault(r.shape[0], []).append((s, r))
-        for group in by_length.values():   # prime() takes rows of one reference length
-            codes = torch.stack([r for _, r in group]).to(self.device)
-            self.streams.prime(self._index([s for s, _ in group]), codes)
+        for group in by_length.values():   # one decode per reference length; the audio is dropped
+            self._decode(self._index([s for s, _ in group]), torch.stack([r for _, r in group]).to(self.device))
 
     def add(self, rows: np.ndarray, frames: torch.Tensor) -> None:
         """Append frames[rows] (one frame each, [n, 16] on the device) to the pending windows of slots `rows`."""
@@ -94,7 +95,7 @@ class StreamingVocoder:
         try:
             return self.streams.decode(idx, codes).cpu().numpy()
         except torch.OutOfMemoryError:
-            release_cached_memory()
+            self.on_out_of_memory()
             b, w = codes.shape[:2]
             if b > 1:
                 h = b // 2
