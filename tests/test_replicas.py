@@ -26,7 +26,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from app.replicas.pool import Pool
-from app.replicas.router import DrainingServer, Router
+from app.replicas.drain import DrainingServer
+from app.replicas.router import Router
 
 REPO = Path(__file__).resolve().parents[1]
 WS_PATH = "/v1/audio/speech/ws"
@@ -51,7 +52,10 @@ class Served:
         self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
         self.ws = self.url.replace("http", "ws", 1)
         config = uvicorn.Config(app, log_level="warning", lifespan="on", ws_per_message_deflate=False)
-        self.server = _Uvicorn(config, app if isinstance(app, Router) else None, drain_timeout)
+        if isinstance(app, Router):
+            self.server = _Uvicorn(config, app.begin_drain, lambda: app.pool.open_total, drain_timeout)
+        else:
+            self.server = _Uvicorn(config, lambda: None, lambda: 0, drain_timeout)
 
     async def __aenter__(self):
         self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))

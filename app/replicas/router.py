@@ -18,8 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
-
 import httpx
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -33,6 +31,8 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.frames import EXTERNAL_CLOSE_CODES, CloseCode
 
+from app.errors import error_body
+from app.replicas.drain import DrainingServer
 from app.replicas.pool import Pool, Replica
 
 log = logging.getLogger("qwen3_tts.replicas")
@@ -56,7 +56,7 @@ class Router:
         self.max_body = max_body
         self.ws_max_size = ws_max_size
         self.connect_timeout = connect_timeout
-        self.draining = False
+        self.draining = False  # set by begin_drain(): no new sessions, open ones go on
         self.client: httpx.AsyncClient | None = None
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(pool))
@@ -66,6 +66,9 @@ class Router:
 
     async def __call__(self, scope, receive, send):
         await self.app(scope, receive, send)
+
+    def begin_drain(self) -> None:
+        self.draining = True
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -245,7 +248,7 @@ class _PoolCollector:
 
 def _error(status: int, code: str, message: str, retry_after: int | None = None) -> Response:
     headers = {"retry-after": str(retry_after)} if retry_after is not None else None
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+    return JSONResponse(error_body(code, message, status), status_code=status, headers=headers)
 
 
 def _unavailable(message: str) -> Response:
@@ -313,32 +316,6 @@ def _sendable(code: int | None, fallback: int) -> int:
     return code if code in EXTERNAL_CLOSE_CODES or (code is not None and 3000 <= code < 5000) else fallback
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn that drains like a replica: on the first SIGTERM/SIGINT it stops placing new work
-    (`/ready` 503) and exits once every proxied session has ended or `drain_timeout` has passed;
-    a second signal exits at once. (Plain uvicorn would close open WebSockets with 1012 right away.)"""
-
-    def __init__(self, config: uvicorn.Config, router: Router, drain_timeout: float):
-        super().__init__(config)
-        self.router = router
-        self.drain_timeout = drain_timeout
-        self.deadline: float | None = None
-
-    def handle_exit(self, sig, frame):
-        if self.deadline is None and self.drain_timeout > 0:
-            self.router.draining = True
-            self.deadline = time.monotonic() + self.drain_timeout
-            log.info("draining: %d open sessions, at most %.0f s", self.router.pool.open_total, self.drain_timeout)
-        else:
-            self.force_exit = self.should_exit
-            self.should_exit = True
-
-    async def on_tick(self, counter: int) -> bool:
-        if self.deadline is not None and (self.router.pool.open_total == 0 or time.monotonic() >= self.deadline):
-            self.should_exit = True
-        return await super().on_tick(counter)
-
-
 def _env_list(name: str) -> list[str]:
     return [x.strip() for x in os.environ.get(name, "").split(",") if x.strip()]
 
@@ -365,7 +342,7 @@ def main(argv=None) -> None:
     router = Router(Pool(replicas, discover, interval=args.poll_interval, api_key=args.api_key))
     config = uvicorn.Config(router, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                             ws_max_size=router.ws_max_size, ws_per_message_deflate=False, timeout_graceful_shutdown=5)
-    DrainingServer(config, router, args.drain_timeout).run()
+    DrainingServer(config, router.begin_drain, lambda: router.pool.open_total, args.drain_timeout).run()
 
 
 if __name__ == "__main__":
