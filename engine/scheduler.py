@@ -131,7 +131,7 @@ class _Session:
     prompt: Optional[torch.Tensor] = None     # [P, D] while prefilling
     trail_ids: list = field(default_factory=list)  # the prompt's trailing text ids, at admission
     prefilled: int = 0
-    frames: int = 0
+    frames: int = 0                           # set when the session leaves its slot
     samples: int = 0
     reason: Optional[str] = None              # set when generation ended
     queue_ms: float = 0.0
@@ -243,6 +243,7 @@ class Scheduler:
         self._trail_len = np.zeros(max_batch, dtype=np.int64)
         self._trail_pos = np.zeros(max_batch, dtype=np.int64)
         self._text_done = np.zeros(max_batch, dtype=bool)
+        self._frames = np.zeros(max_batch, dtype=np.int64)         # frames the slot's session made
         self._by_slot: list[Optional[_Session]] = [None] * max_batch
         self._free = list(range(max_batch))     # kept sorted: the lowest slot is taken first
 
@@ -440,7 +441,7 @@ class Scheduler:
             s.slot, s.ids = slot, []
             self._by_slot[slot] = s
             self._phase[slot] = PREFILL
-            self._trail_len[slot] = self._trail_pos[slot] = 0
+            self._trail_len[slot] = self._trail_pos[slot] = self._frames[slot] = 0
             self._append_trail(slot, s.trail_ids)
             self._text_done[slot] = s.text_done
         with self._lock:
@@ -549,17 +550,17 @@ class Scheduler:
             return None     # nothing advanced; the next iteration tries again
         self._trail_pos[:n] += active & has_text
         rows = np.flatnonzero(active)
+        self._frames[rows] += 1
         self.vocoder.add(rows, out.frames)
+        if self.keep_codes:
+            for slot in rows:
+                self._by_slot[slot].codes.append(out.frames_cpu[slot])
         status = np.asarray(out.status)
         ended = []
-        for slot in rows:
+        for slot in rows[status[rows] != RUNNING]:
             s = self._by_slot[slot]
-            s.frames += 1
-            if self.keep_codes:
-                s.codes.append(out.frames_cpu[slot])
-            if status[slot] != RUNNING:
-                s.reason = "eos" if status[slot] == EOS else "max_frames"
-                ended.append(s)
+            s.reason = "eos" if status[slot] == EOS else "max_frames"
+            ended.append(s)
         with self._lock:
             self._steps += 1
             self._frames_total += rows.size
@@ -597,6 +598,7 @@ class Scheduler:
             with self._lock:
                 self._queued -= 1
         else:
+            s.frames = int(self._frames[s.slot])
             self._phase[s.slot] = FREE
             self._by_slot[s.slot] = None
             self._trail_len[s.slot] = self._trail_pos[s.slot] = 0
