@@ -66,8 +66,8 @@ class TextTokenizer:
         tok.normalizer = normalizers.NFC()
         self.pre_tokenizer = pre_tokenizers.Split(Regex(MISTRAL_REGEX if patched_regex else QWEN2_REGEX),
                                                   behavior="isolated", invert=False)
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [self.pre_tokenizer, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        self.byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([self.pre_tokenizer, self.byte_level])
         tok.decoder = decoders.ByteLevel()
         # Added tokens, in id order, with their flags; all are split off before BPE.
         tokens = [AddedToken(t["content"], single_word=t.get("single_word", False), lstrip=t.get("lstrip", False),
@@ -86,6 +86,11 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         """Ids of `text` as the official processor tokenizes it (special tokens recognised, no BOS)."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def bpe(self, chunk: str) -> list[int]:
+        """Ids of one pre-tokenizer chunk (byte-level mapping + BPE, no further splitting)."""
+        (mapped, _), = self.byte_level.pre_tokenize_str(chunk)
+        return [t.id for t in self.tokenizer.model.tokenize(mapped)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -142,11 +147,9 @@ class IncrementalTokenizer:
                 return []
             self.pending = normalize_text(self.pending)
             self.started = True
-        cut = self._stable_length(self.pending)
-        if cut == 0:
-            return []
-        done, self.pending = self.pending[:cut], self.pending[cut:]
-        return self.tok.encode(done)
+        cut, ids = self._commit(self.pending)
+        self.pending = self.pending[cut:]
+        return ids
 
     def finish(self) -> list[int]:
         """Commit everything still held back; the text is complete."""
@@ -156,23 +159,26 @@ class IncrementalTokenizer:
         rest, self.pending = normalize_text(self.pending) if not self.started else self.pending, ""
         return self.tok.encode(rest) if rest else []
 
-    def _stable_length(self, text: str) -> int:
-        """Length of the longest prefix of `text` whose ids no appended text can change."""
+    def _commit(self, text: str) -> tuple[int, list[int]]:
+        """(n, ids): the longest prefix text[:n] whose ids no appended text can change, and its ids.
+
+        The prefix's last chunks are BPE-encoded as the chunks they are in context: re-tokenizing
+        text[:n] alone could split its end differently (`\\s+(?!\\S)` behaves otherwise at the end).
+        """
         limit = len(text) - self._partial_added_token(text)
-        starters = [i for i in range(limit) if _is_starter(text[i])]
-        limit = starters[-1] if starters else 0
-        if limit == 0:
-            return 0
-        # The text after the last complete added token before `limit` is where chunks can still change.
-        seg_start = 0
+        seg_start = 0     # end of the last complete added token: what precedes it is final
         for tok in self.tok.added_tokens:
             i = text.rfind(tok, 0, limit)
             if i != -1:
                 seg_start = max(seg_start, i + len(tok))
-        chunks = self.tok.pre_tokenizer.pre_tokenize_str(text[seg_start:limit])
-        if not chunks:
-            return seg_start
-        return seg_start + chunks[-1][1][0]
+        ids = self.tok.encode(text[:seg_start]) if seg_start else []
+        starters = [i for i in range(seg_start, limit) if _is_starter(text[i])]
+        if not starters:
+            return seg_start, ids
+        chunks = self.tok.pre_tokenizer.pre_tokenize_str(text[seg_start:starters[-1]])[:-1]
+        for chunk, _ in chunks:
+            ids += self.tok.bpe(chunk)
+        return seg_start + (chunks[-1][1][1] if chunks else 0), ids
 
     def _partial_added_token(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some added token."""
