@@ -17,7 +17,6 @@ from engine.requests import SamplingParams
 
 from .errors import ApiError, bad_request
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
 
 
 def _number(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -71,6 +70,8 @@ def sampling(fields: dict, base: SamplingParams) -> SamplingParams:
         changes["top_p"] = _number("top_p", fields["top_p"], 0.0, 1.0, lo_open=True)
     if fields.get("repetition_penalty") is not None:
         changes["repetition_penalty"] = _number("repetition_penalty", fields["repetition_penalty"], 0.0, 10.0, lo_open=True)
+    if fields.get("min_new_tokens") is not None:   # EOS suppressed before this many tokens (benchmarks)
+        changes["min_new_tokens"] = integer("min_new_tokens", fields["min_new_tokens"], 0, 1 << 20)
     if "seed" in fields:
         changes["seed"] = None if fields["seed"] is None else integer("seed", fields["seed"], 0, 2**63 - 1)
     return dataclasses.replace(base, **changes)

@@ -19,7 +19,7 @@ from engine.requests import AudioChunk, SpeechRequest, TurnResult
 from .audio import CONTAINERS, MODEL_RATE, FileStreamEncoder, FormatError, check_container, encode_file
 from .errors import ApiError, bad_request, error_response
 from .metrics import PlaybackClock
-from .params import SAMPLING_FIELDS, base64_audio, boolean, integer, language, optional_str, sampling, text
+from .params import base64_audio, boolean, integer, language, optional_str, sampling, text
 from .service import Service
 from .voices import valid_voice_id
 
