@@ -346,3 +346,99 @@ def test_router_drains_on_first_signal():
                 await ws.close()
                 await asyncio.wait_for(front.task, 5)        # and exits once it has ended
     run(main())
+
+
+# -- two real servers through the launcher ---------------------------------------------------------
+
+def _free_port_run(count: int) -> int:
+    """A port p such that p .. p+count-1 are all free on loopback now."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            held = []
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+async def speak(url: str, text: str) -> tuple[str, int, dict]:
+    """One session, one turn: (replica it ran on, audio bytes, turn.done)."""
+    async with connect(url + WS_PATH) as ws:
+        replica = await replica_of(ws)
+        await ws.send(json.dumps({"type": "text", "turn_id": "t1", "text": text, "final": True}))
+        audio = 0
+        while True:
+            message = await ws.recv()
+            if isinstance(message, bytes):
+                audio += len(message)
+                continue
+            event = json.loads(message)
+            assert event["type"] != "error", event
+            if event["type"] == "turn.done":
+                return replica, audio, event
+
+
+def test_two_real_servers_behind_the_launcher(tiny_model_dir, tmp_path):
+    base = _free_port_run(3)
+    front, replica_urls = f"http://127.0.0.1:{base}", [f"http://127.0.0.1:{base + 1 + i}" for i in range(2)]
+    log_path = tmp_path / "launcher.log"
+    with open(log_path, "w") as log_file:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "app.replicas.launcher", "--replicas", "2", "--device", "cpu",
+             "--port", str(base), "--base-port", str(base + 1), "--drain-timeout", "10",
+             "--model-dir", str(tiny_model_dir), "--voices-dir", str(tmp_path / "voices"), "--max-frames", "4"],
+            cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=30) as client:
+                deadline = time.monotonic() + 100
+                while True:
+                    assert launcher.poll() is None, log_path.read_text()[-3000:]
+                    assert time.monotonic() < deadline, "replicas not ready:\n" + log_path.read_text()[-3000:]
+                    try:
+                        if (await client.get(front + "/health")).json()["ready_replicas"] == 2:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    await asyncio.sleep(0.5)
+                ws_front = front.replace("http", "ws", 1)
+
+                # two sessions at once land on the two replicas, and both are spoken in full
+                results = await asyncio.gather(speak(ws_front, "Hello there."), speak(ws_front, "Good morning."))
+                assert sorted(r for r, _, _ in results) == replica_urls
+                for _, audio, done in results:
+                    assert audio > 0 and done["reason"] in ("eos", "max_frames") and done["frames"] >= 1
+                r = await client.post(front + "/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"})
+                assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+                assert r.content[:4] == b"RIFF" and r.headers["x-replica"] in replica_urls
+
+                # a killed replica gets no new sessions; the other one serves them all
+                pids = dict(re.findall(r"replica (\d+): pid (\d+)", log_path.read_text()))
+                os.kill(int(pids["0"]), signal.SIGKILL)
+                results = await asyncio.gather(speak(ws_front, "Still there?"), speak(ws_front, "Yes."))
+                assert [r for r, _, _ in results] == [replica_urls[1]] * 2
+                assert all(audio > 0 for _, audio, _ in results)
+                health = (await client.get(front + "/health")).json()
+                assert health["ready_replicas"] == 1 and health["status"] == "ok"
+        run(main())
+        assert launcher.poll() is None  # one replica is enough to keep serving
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 0
+        text = log_path.read_text()
+        assert "replica 0 exited with status -9" in text and "router exited" in text
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()

@@ -339,6 +339,7 @@ def main(argv=None) -> None:
     if not replicas and not discover:
         p.error("give at least one --replica URL or --discover HOST:PORT")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health poll
     router = Router(Pool(replicas, discover, interval=args.poll_interval, api_key=args.api_key))
     config = uvicorn.Config(router, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
                             ws_max_size=router.ws_max_size, ws_per_message_deflate=False, timeout_graceful_shutdown=5)
