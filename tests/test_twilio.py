@@ -29,7 +29,8 @@ LONG_TEXT = ("This is a long answer that keeps going, sentence after sentence, s
 
 @pytest.fixture(scope="module")
 def tts_url(tiny_model_dir):
-    with tts_server(tiny_model_dir) as url:
+    # The tiny random model never says EOS: each turn runs to the server's cap of 20 frames (1.6 s).
+    with tts_server(tiny_model_dir, "--max-frames", "20") as url:
         yield url
 
 
@@ -127,14 +128,14 @@ def assert_real_time(times: list[float]) -> None:
 
 
 async def wait_gone(http: httpx.AsyncClient, bridge: str, tts_url: str, call_sid: str) -> None:
-    """The call leaves the bridge and its session leaves the TTS server within a second."""
+    """Within a second the call leaves the bridge (its TTS socket closed) and frees its batch slot."""
     deadline = time.monotonic() + 1.0
     while True:
         calls = (await http.get(f"{bridge}/calls")).json()["calls"]
-        active = (await http.get(f"{tts_url}/health")).json().get("active_sessions", 0)
-        if not any(c["call_sid"] == call_sid for c in calls) and active == 0:
+        health = (await http.get(f"{tts_url}/health")).json()
+        if not any(c["call_sid"] == call_sid for c in calls) and health["batch_active"] == health["queue_depth"] == 0:
             return
-        assert time.monotonic() < deadline, f"call still open: calls={calls} active_sessions={active}"
+        assert time.monotonic() < deadline, f"call still open: calls={calls} health={health}"
         await asyncio.sleep(0.05)
 
 
@@ -144,14 +145,17 @@ def test_call_speaks_paced_frames_marks_turns_clears_and_ends_on_stop(bridge, tt
             peer = TwilioPeer(ws, "CA" + "1" * 32)
             await peer.begin(text="Hello, thanks for calling.")
 
+            media_per_turn = {}
             times, mark = await peer.turn()            # the start event's customParameters.text
             assert len(times) >= 4 and mark == "turn-1"
+            media_per_turn[mark] = len(times)
             assert_real_time(times)
             await peer.echo_mark(mark)
 
             said = (await http.post(f"{bridge}/calls/{peer.call_sid}/say", json={"text": "How can I help?"})).json()
             times, mark = await peer.turn()
             assert mark == said["turn_id"] == "turn-2" and len(times) >= 4
+            media_per_turn[mark] = len(times)
             assert_real_time(times)
             await peer.echo_mark(mark)
 
@@ -172,9 +176,14 @@ def test_call_speaks_paced_frames_marks_turns_clears_and_ends_on_stop(bridge, tt
             await http.post(f"{bridge}/calls/{peer.call_sid}/say", json={"text": "Sorry, go ahead."})
             times, mark = await peer.turn()
             assert mark == "turn-4" and len(times) >= 4
+            media_per_turn[mark] = len(times)
 
             status = (await http.get(f"{bridge}/calls")).json()["calls"]
             [call] = [c for c in status if c["call_sid"] == peer.call_sid]
+            done = {t["turn_id"]: t for t in call["turns_done"]}
+            for turn_id, frames in media_per_turn.items():     # every sample went out, in 20 ms frames
+                assert frames == -(-done[turn_id]["samples"] // 160) > 0, (turn_id, frames, done[turn_id])
+            assert done[long_turn["turn_id"]]["reason"] == "cancelled"
             assert call["marks_sent"] == ["turn-1", "turn-2", "turn-4"]
             assert call["marks_echoed"] == ["turn-1", "turn-2"]
             assert call["inbound_media"] > 0 and call["clears"] == 1

@@ -6,6 +6,7 @@
 'use strict';
 
 const SAMPLE_RATE = 24000;
+const FRAMES_PER_SECOND = 12.5;           // one codec frame = 80 ms
 const BUCKET = 480;                       // samples per waveform column bucket (20 ms)
 const $ = (id) => document.getElementById(id);
 
@@ -120,14 +121,20 @@ function send(msg) {
   if (msg.type === 'text') tts.textMessages += 1;
 }
 
-// Voice and language go in a session.update, which the protocol allows between turns.
+// Voice, language and options go in a session.update, which the protocol allows between turns.
+// Empty option fields mean the server's defaults (as session.created described them).
 function sendSettings() {
+  const defaults = (tts.session && tts.session.sampling) || {};
+  const number = (id, fallback) => ($(id).value === '' ? fallback : Number($(id).value));
+  const maxSeconds = number('max-seconds', null);
   const update = {
     type: 'session.update',
     format: { encoding: 'f32le', sample_rate: SAMPLE_RATE },
     audio_framing: 'raw',
     language: $('language').value,
     voice: $('voice').value || 'default',
+    max_frames: maxSeconds === null ? null : Math.max(1, Math.ceil(maxSeconds * FRAMES_PER_SECOND)),
+    sampling: { temperature: number('temperature', defaults.temperature ?? null), seed: number('seed', null) },
   };
   const json = JSON.stringify(update);
   if (json !== settingsSent) {
@@ -206,7 +213,7 @@ function finishTurn(turn, done) {
   if (audioTurn === turn) audioTurn = null;
   if (player) player.port.postMessage({ type: 'end' });
   const record = {
-    id: turn.id, reason: done.reason, frames: done.frames, audio_ms: done.audio_ms,
+    id: turn.id, reason: done.reason, frames: done.frames, audio_ms: done.audio_ms, server_samples: done.samples,
     samples: turn.samples, ttfa_ms: turn.firstAudioAt === null ? null : turn.firstAudioAt - turn.sentAt,
     server_ttfa_ms: done.ttfa_ms, rtf: done.rtf,
   };

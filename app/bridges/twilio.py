@@ -67,6 +67,7 @@ class CallStats:
     marks_echoed: list[str] = field(default_factory=list)
     inbound_media: int = 0
     clears: int = 0
+    turns_done: list[dict] = field(default_factory=list)   # the server's turn.done, in order
 
 
 class TwilioCall:
@@ -121,7 +122,7 @@ class TwilioCall:
         return {"call_sid": self.call_sid, "stream_sid": self.stream_sid, "open_turns": self.open_turns,
                 "media_sent": self.stats.media_sent, "marks_sent": self.stats.marks_sent,
                 "marks_echoed": self.stats.marks_echoed, "inbound_media": self.stats.inbound_media,
-                "clears": self.stats.clears}
+                "clears": self.stats.clears, "turns_done": self.stats.turns_done}
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -144,6 +145,7 @@ class TwilioCall:
                     if whole < len(data):
                         self._partial[event.turn_id] = data[whole:]
                 elif event.get("type") == "turn.done":
+                    self.stats.turns_done.append({k: event.get(k) for k in ("turn_id", "reason", "frames", "samples")})
                     self._end_turn(str(event.get("turn_id")))
                 elif event.get("type") == "error":
                     log.warning("call %s: TTS error %s", self.call_sid, event)
@@ -237,8 +239,10 @@ def create_app(config: BridgeConfig) -> Starlette:
             if tts_gone is not None:
                 tts_gone.cancel()
             if call is not None:
-                calls.pop(call.call_sid, None)
-                await call.close()
+                try:
+                    await call.close()
+                finally:
+                    calls.pop(call.call_sid, None)
 
     async def _start_call(ws: WebSocket, start: dict) -> Optional[TwilioCall]:
         params = start.get("customParameters") or {}
