@@ -101,8 +101,9 @@ def fake_replica(max_batch: int = 4):
         return StreamingResponse(chunks(), media_type="audio/pcm", headers={"x-audio-seconds": "0.24"})
 
     async def session(ws):
-        if state.full:
-            return await ws.close(1013)
+        if ws.headers.get("authorization") == "Bearer wrong":
+            return await ws.send_denial_response(
+                JSONResponse({"error": {"code": "unauthorized", "message": "wrong key"}}, status_code=401))
         await ws.accept(subprotocol=(ws.scope.get("subprotocols") or [None])[0])
         state.active += 1
         try:
@@ -294,6 +295,11 @@ def test_websocket_frames_headers_and_close_codes_pass_through():
                     await ws.recv()
                     await ws.close(code=4002, reason="client done")
                 await until(lambda: a.closed_with == [4002])            # client's close relayed
+
+                with pytest.raises(InvalidStatus) as refused:            # the replica's refusal relayed
+                    await connect(front.ws + WS_PATH, additional_headers={"Authorization": "Bearer wrong"})
+                assert refused.value.response.status_code == 401
+                assert json.loads(refused.value.response.body)["error"]["code"] == "unauthorized"
                 await until(lambda: router.pool.open_total == 0 and a.active == 0)
     run(main())
 
@@ -346,6 +352,35 @@ def test_router_drains_on_first_signal():
                 await ws.close()
                 await asyncio.wait_for(front.task, 5)        # and exits once it has ended
     run(main())
+
+
+# -- the launcher's plan ---------------------------------------------------------------------------
+
+def test_launcher_gives_each_replica_one_visible_gpu_and_its_own_port(monkeypatch):
+    from argparse import Namespace
+    from app.replicas.launcher import plan, visible_gpus
+
+    # CUDA stops reading the list at the first invalid entry; UUIDs are kept as they are
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-5f1c,-1,7")
+    assert visible_gpus() == ["3", "GPU-5f1c"]
+    args = Namespace(device="cuda", gpus="all", replicas=None, replica_host="127.0.0.1", base_port=9001)
+    planned = plan(args, ["--model-dir", "m", "--max-batch", "64"])
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in planned] == ["3", "GPU-5f1c"]
+    for i, (cmd, _) in enumerate(planned):
+        assert cmd[1:] == ["-m", "app", "--host", "127.0.0.1", "--port", str(9001 + i), "--device", "cuda:0",
+                           "--model-dir", "m", "--max-batch", "64"]
+    assert len(plan(Namespace(**{**vars(args), "gpus": "1"}), [])) == 1
+    with pytest.raises(SystemExit, match="only 2 visible"):
+        plan(Namespace(**{**vars(args), "gpus": "3"}), [])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(SystemExit, match="no GPU visible"):
+        plan(args, [])
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpu = plan(Namespace(**{**vars(args), "device": "cpu", "replicas": 3}), ["--demo"])
+    assert [cmd[cmd.index("--port") + 1] for cmd, _ in cpu] == ["9001", "9002", "9003"]
+    assert all(cmd[cmd.index("--device") + 1] == "cpu" and cmd[-1] == "--demo" for cmd, _ in cpu)
+    assert all(int(env["OMP_NUM_THREADS"]) == max(1, (os.cpu_count() or 1) // 3) for _, env in cpu)
 
 
 # -- two real servers through the launcher ---------------------------------------------------------

@@ -166,7 +166,7 @@ class Router:
                     max_size=self.ws_max_size)
             except InvalidStatus as e:
                 self.pool.release(replica)
-                refused = Response(e.response.body, status_code=e.response.status_code,
+                refused = Response(bytes(e.response.body or b""), status_code=e.response.status_code,
                                    headers={k: v for k, v in e.response.headers.raw_items()
                                             if k.lower().encode() not in RESPONSE_DROP})
                 if e.response.status_code == 503:
