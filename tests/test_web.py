@@ -22,10 +22,11 @@ LONG_TEXT = ("This turn is long on purpose, so that the stop button has somethin
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
+def server(tiny_model_dir, tmp_path_factory):
     # The tiny random model never says EOS: every turn runs to its max_frames, which the page's
     # "Max length" option sets per turn; the server's cap stops a turn whose stop button failed.
-    with tts_server(tiny_model_dir, "--max-frames", "400") as url:
+    voices = tmp_path_factory.mktemp("voices")
+    with tts_server(tiny_model_dir, "--max-frames", "400", "--voices-dir", str(voices)) as url:
         yield url
 
 
@@ -130,3 +131,22 @@ def test_speak_as_i_type_sends_words_as_they_are_typed(page):
     assert turn["reason"] in ("eos", "max_frames")
     assert turn["samples"] == turn["server_samples"] == turn["frames"] * SAMPLES_PER_FRAME > 0
     assert page.input_value("#text") == ""
+
+
+def test_reference_voice_is_saved_and_spoken_with(page, golden_dir):
+    page.set_input_files("#ref-file", str(golden_dir / "cases" / "ref_en.wav"))
+    page.wait_for_function("!document.querySelector('#save-voice').disabled", timeout=10000)
+    page.fill("#ref-text", "The birch canoe slid on the smooth planks.")
+    page.fill("#ref-name", "birch")
+    page.click("#save-voice")
+    page.wait_for_function("document.querySelector('#voice').selectedOptions[0].text.startsWith('birch')",
+                           timeout=30000)
+    voice_id = page.input_value("#voice")
+    assert voice_id and "icl" in page.text_content("#status")
+
+    set_max_seconds(page, "0.5")
+    page.fill("#text", "Now in the cloned voice.")
+    page.click("#speak")
+    turn = done_turn(page, 0)
+    assert turn["reason"] == "max_frames" and turn["samples"] == turn["server_samples"] > 0
+    assert page.evaluate("window.__tts.settings.voice") == voice_id    # the session.updated it was spoken with

@@ -2,7 +2,8 @@
 //
 // Audio arrives as raw f32le binary frames at 24 kHz. Raw frames belong to "the turn that last
 // started", so after Stop the page ignores binary frames until the next turn.started: audio of the
-// cancelled turn that was already in flight never reaches the player.
+// cancelled turn that was already in flight never reaches the player. With an API key, open the page
+// once as /?api_key=KEY: the server answers with a cookie that its later requests carry.
 'use strict';
 
 const SAMPLE_RATE = 24000;
@@ -10,13 +11,9 @@ const FRAMES_PER_SECOND = 12.5;           // one codec frame = 80 ms
 const BUCKET = 480;                       // samples per waveform column bucket (20 ms)
 const $ = (id) => document.getElementById(id);
 
-const params = new URLSearchParams(location.search);
-if (params.has('api_key')) localStorage.setItem('qwen3-tts-api-key', params.get('api_key'));
-const apiKey = localStorage.getItem('qwen3-tts-api-key') || '';
-
 // Test hooks and live numbers (read by tests/test_web.py).
 const tts = window.__tts = {
-  connected: false, session: null, textMessages: 0, wsSamples: 0, turns: [],
+  connected: false, session: null, settings: null, textMessages: 0, wsSamples: 0, turns: [],
   worklet: { received: 0, played: 0, buffered: 0, dropped: 0, underruns: 0, playing: false },
   errors: [],
 };
@@ -35,10 +32,6 @@ let live = null;                  // {turnId, sent} while a "speak as I type" tu
 let liveIdle = null;
 let downloadUrl = null;
 let stopCount = 0;                // a turn still opening when Stop is pressed is not sent
-
-function headers(extra = {}) {
-  return apiKey ? { ...extra, Authorization: `Bearer ${apiKey}` } : extra;
-}
 
 function status(text, isError = false) {
   const el = $('status');
@@ -75,7 +68,6 @@ function onPlayerStats(s) {
 function wsUrl() {
   const url = new URL('v1/audio/speech/ws', location.href);
   url.protocol = location.protocol === 'https:' ? 'wss:' : 'ws:';
-  if (apiKey) url.searchParams.set('api_key', apiKey);
   return url.href;
 }
 
@@ -164,7 +156,9 @@ async function startTurn(text, final) {
 }
 
 function onControl(msg) {
-  if (msg.type === 'turn.started') {
+  if (msg.type === 'session.updated') {
+    tts.settings = msg;
+  } else if (msg.type === 'turn.started') {
     audioTurn = turns.get(msg.turn_id) || null;
     tail = new Uint8Array(0);
     if (audioTurn) $('turn-state').textContent = 'speaking';
@@ -422,7 +416,7 @@ async function saveVoice() {
   $('save-voice').disabled = true;
   status('computing the voice…');
   try {
-    const res = await fetch('v1/voices', { method: 'POST', headers: headers({ 'Content-Type': 'application/json' }), body: JSON.stringify(body) });
+    const res = await fetch('v1/voices', { method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify(body) });
     const out = await res.json();
     if (!res.ok) throw new Error(out.error ? out.error.message : res.statusText);
     await loadVoices(out.voice_id);
@@ -435,7 +429,7 @@ async function saveVoice() {
 }
 
 async function loadVoices(select) {
-  const res = await fetch('v1/voices', { headers: headers() });
+  const res = await fetch('v1/voices');
   if (!res.ok) return;
   const body = await res.json();
   const list = Array.isArray(body) ? body : body.voices || body.data || [];
