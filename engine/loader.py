@@ -27,9 +27,9 @@ from .weights import load_into, read_safetensors, warn_unused
 
 log = logging.getLogger(__name__)
 
-HUB_HINT = ("download it with `huggingface-cli download Qwen/Qwen3-TTS-12Hz-0.6B-Base --local-dir "
-            "models/0.6b-base` (then pass --model-dir models/0.6b-base), or copy the model folder "
-            "from a machine that has it")
+HUB_HINT = ("get the files with `huggingface-cli download Qwen/Qwen3-TTS-12Hz-0.6B-Base --local-dir "
+            "models/0.6b-base` (`hf download ...` with huggingface_hub >= 1.0) and pass that folder, or copy "
+            "the model folder from a machine that has it")
 
 
 class TTSModel:
@@ -52,12 +52,11 @@ class TTSModel:
         xvector = self.speaker_encoder.embed(wav).float().cpu()
         if x_vector_only or ref_text is None:
             return VoicePrompt(xvector)
-        ref_ids = self.tokenizer.ref_text_ids(ref_text)
-        if not ref_ids:
+        if not ref_text.strip():
             raise ValueError("ref_text is empty: give the transcript of the reference audio, or use x_vector_only")
         x = torch.from_numpy(wav).to(self.device)[None]
         codes = self.codec_encoder.encode(x, torch.tensor([wav.shape[0]], device=self.device))[0]
-        return VoicePrompt(xvector, codes.long().cpu(), ref_ids)
+        return VoicePrompt(xvector, codes.long().cpu(), self.tokenizer.ref_text_ids(ref_text))
 
 
 def resolve_model_dir(model_dir_or_hub_id: str | Path) -> Path:
@@ -77,8 +76,8 @@ def resolve_model_dir(model_dir_or_hub_id: str | Path) -> Path:
     try:
         return Path(snapshot_download(repo_id=name))
     except Exception as e:  # offline, unknown repo, gated, disk full: all mean "get the files yourself"
-        raise ModelFolderError(f"cannot download {name} from the Hugging Face hub ({type(e).__name__}: {e}); "
-                               f"{HUB_HINT}") from e
+        raise ModelFolderError(f"{name} is not a local folder, and downloading it as a Hugging Face model id "
+                               f"failed ({type(e).__name__}: {e}); {HUB_HINT}") from e
 
 
 @contextlib.contextmanager
