@@ -78,7 +78,7 @@ class Served:
 def fake_replica(max_batch: int = 4):
     """A stand-in for a server: reports `state` on /health and /ready, echoes WebSocket frames."""
     state = SimpleNamespace(ready=True, active=0, elsewhere=0, queue=0, max_batch=max_batch, full=False,
-                            closed_with=[], seen_headers=[])
+                            closed_with=[], seen_headers=[], streams_ended=0)
 
     async def health(request):
         return JSONResponse({"status": "ok", "active_sessions": state.active + state.elsewhere,
@@ -95,9 +95,12 @@ def fake_replica(max_batch: int = 4):
         text = (await request.json())["input"]
 
         async def chunks():
-            for i in range(3):
-                yield f"{text}:{i};".encode()
-                await asyncio.sleep(0.01)
+            try:
+                for i in range(3 if text != "endless" else 10**6):
+                    yield f"{text}:{i};".encode()
+                    await asyncio.sleep(0.01)
+            finally:
+                state.streams_ended += 1
         return StreamingResponse(chunks(), media_type="audio/pcm", headers={"x-audio-seconds": "0.24"})
 
     async def session(ws):
@@ -238,6 +241,43 @@ def test_replica_that_goes_away_or_drains_gets_no_new_sessions():
     run(main())
 
 
+def test_replicas_found_by_dns_come_and_go():
+    async def main():
+        pool = Pool(discover=["replicas.example:8090"], interval=0.05)
+        answers = {"replicas.example": [(socket.AF_INET, 0, 0, "", ("10.0.0.7", 8090)),
+                                        (socket.AF_INET6, 0, 0, "", ("fd00::8", 8090, 0, 0))]}
+
+        async def getaddrinfo(host, port, **kw):
+            if host not in answers:
+                raise socket.gaierror("no such host")
+            return answers[host]
+        asyncio.get_running_loop().getaddrinfo = getaddrinfo
+        await pool._resolve()
+        assert set(pool.replicas) == {"http://10.0.0.7:8090", "http://[fd00::8]:8090"}
+        pool.acquire(pool.replicas["http://[fd00::8]:8090"], "ws")
+        leaving = pool.replicas["http://[fd00::8]:8090"]
+        answers["replicas.example"] = answers["replicas.example"][:1]
+        await pool._resolve()
+        assert set(pool.replicas) == {"http://10.0.0.7:8090"}
+        assert pool.open_total == 1               # its session goes on; it just gets no new ones
+        pool.release(leaving)
+        assert pool.open_total == 0
+        del answers["replicas.example"]           # a DNS failure keeps what is known
+        await pool._resolve()
+        assert set(pool.replicas) == {"http://10.0.0.7:8090"}
+        del asyncio.get_running_loop().getaddrinfo
+
+        # and end to end, a real name on loopback
+        (app_a, a), = [fake_replica()]
+        async with Served(app_a) as ra:
+            router = Router(Pool(discover=[f"127.0.0.1:{ra.url.rsplit(':', 1)[1]}"], interval=0.05))
+            async with Served(router) as front:
+                await settle(router)
+                async with connect(front.ws + WS_PATH) as ws:
+                    assert await replica_of(ws) == ra.url
+    run(main())
+
+
 def test_no_ready_replica_is_503_with_retry_after():
     async def main():
         (app_a, a), = [fake_replica()]
@@ -320,6 +360,14 @@ def test_rest_is_streamed_and_a_full_replica_is_skipped():
                     first = r.headers["x-replica"]
                     seen = (a if first == ra.url else b).seen_headers[-1]
                     assert seen["authorization"] == "Bearer x" and seen["x-forwarded-for"] == "127.0.0.1"
+
+                    # a client that goes away mid-stream: the replica's stream ends too (no wasted GPU)
+                    ended = a.streams_ended + b.streams_ended
+                    async with client.stream("POST", front.url + "/v1/audio/speech", json={"input": "endless"}) as r:
+                        async for _ in r.aiter_raw():
+                            break
+                    await until(lambda: a.streams_ended + b.streams_ended == ended + 1)
+                    await until(lambda: router.pool.open_total == 0)
 
                     a.full = True  # 503 from A: the same body goes to B
                     for _ in range(4):

@@ -53,7 +53,7 @@ class Pool:
     (a Kubernetes headless Service), re-resolved every `resolve_every` seconds.
     """
 
-    def __init__(self, urls=(), discover=(), interval: float = 0.5, timeout: float = 1.0,
+    def __init__(self, urls=(), discover=(), interval: float = 0.5, timeout: float = 2.0,
                  api_key: str | None = None, resolve_every: float = 5.0):
         self.replicas: dict[str, Replica] = {u.rstrip("/"): Replica(u.rstrip("/")) for u in urls}
         self.discover = [_split_host_port(d) for d in discover]
