@@ -129,7 +129,7 @@ def create_app(settings: Settings, scheduler=None, on_fatal: Optional[Callable[[
                 await asyncio.wait({starting}, timeout=60)
             await svc.stop()
 
-    routes = [*rest.routes, *ws.routes]
+    routes = [Mount("/v1", routes=[*rest.v1_routes, *ws.v1_routes]), *rest.routes]
     if WEB_DIR.is_dir():
         routes.append(Mount("/", StaticFiles(directory=WEB_DIR, html=True), name="web"))
     middleware = [Middleware(ApiKeyMiddleware, api_key=settings.api_key)] if settings.api_key else []

@@ -321,13 +321,16 @@ async def models(request: Request) -> Response:
         {"id": svc.model_name, "object": "model", "created": int(svc.started_at), "owned_by": "qwen3-tts-server"}]})
 
 
+# under /v1 (mounted as a group, so a wrong method on a route is a 405, not the page's 404)
+v1_routes = [
+    Route("/audio/speech", speech, methods=["POST"]),
+    Route("/voices", create_voice, methods=["POST"]),
+    Route("/voices", list_voices, methods=["GET"]),
+    Route("/voices/{voice_id}", get_voice, methods=["GET"]),
+    Route("/voices/{voice_id}", delete_voice, methods=["DELETE"]),
+    Route("/models", models, methods=["GET"]),
+]
 routes = [
-    Route("/v1/audio/speech", speech, methods=["POST"]),
-    Route("/v1/voices", create_voice, methods=["POST"]),
-    Route("/v1/voices", list_voices, methods=["GET"]),
-    Route("/v1/voices/{voice_id}", get_voice, methods=["GET"]),
-    Route("/v1/voices/{voice_id}", delete_voice, methods=["DELETE"]),
-    Route("/v1/models", models, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/ready", ready, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),

@@ -41,7 +41,7 @@ log = logging.getLogger("qwen3_tts.ws")
 
 MAX_TURN_ID = 128
 FINISHED_TURNS_KEPT = 1024
-CLOSE_GRACE_S = 2.0
+CLOSE_GRACE_S = 5.0     # a stuck client gets this long to take the final error and close
 # close codes: 1000 normal (idle timeout), 1001 going away (server stops), 1008 policy (slow reader)
 CLOSE_NORMAL, CLOSE_GOING_AWAY, CLOSE_POLICY = 1000, 1001, 1008
 
@@ -104,6 +104,7 @@ class Session:
         self.out_bytes = 0
         self.stop = asyncio.Event()
         self.closing = False
+        self.fatal_sent = False
         self.last_activity = time.monotonic()
 
     # -- outgoing ----------------------------------------------------------------------------------
@@ -177,6 +178,7 @@ class Session:
         self.drop_audio(None)
         self.error(code, message)
         self._queue(Outgoing(None, ("close", close_code, code.removeprefix("fatal."))))
+        self.fatal_sent = True
         self.stop.set()
 
     # -- turns -------------------------------------------------------------------------------------
@@ -202,9 +204,6 @@ class Session:
         return turn
 
     def add_text(self, turn: Turn, text: str) -> None:
-        if turn.chars + len(text) > self.limits.max_text_chars:
-            raise ApiError(413, "text_too_long", f"turn {turn.id!r} would have {turn.chars + len(text)} characters; "
-                                                 f"the limit is {self.limits.max_text_chars}")
         turn.chars += len(text)
         if not text:
             return
@@ -381,12 +380,14 @@ class Session:
         final = boolean("final", msg.get("final", False))
         if turn_id is not None and self.finished.get(turn_id):
             return      # text still streaming in for a turn the client cancelled: dropped
+        known = self.live.get(turn_id)
+        if (known.chars if known else 0) + len(text) > self.limits.max_text_chars:
+            raise ApiError(413, "text_too_long", f"turn {turn_id!r} would have more than {self.limits.max_text_chars} "
+                                                 "characters")
         turn = self.open_turn(turn_id)
-        try:
-            self.add_text(turn, text)
-        finally:
-            if final:
-                self.end_turn(turn)
+        self.add_text(turn, text)
+        if final:
+            self.end_turn(turn)
 
     def on_turn_end(self, turn_id: Optional[str]) -> None:
         if turn_id is None:
@@ -472,12 +473,9 @@ class Session:
                 if turn.handle is not None:
                     turn.handle.cancel()       # frees the batch slot within one step
             speaker.cancel()
-            try:            # let the sender deliver a final error and close, but not wait on a stuck client
-                await asyncio.wait_for(sender, CLOSE_GRACE_S)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
-                pass
-            if not sender.done():
-                sender.cancel()
+            if self.fatal_sent:     # let the sender deliver the error and close, not waiting on a stuck client
+                await asyncio.wait({sender}, timeout=CLOSE_GRACE_S)
+            sender.cancel()
 
 
 async def speech_ws(ws: WebSocket) -> None:
@@ -504,4 +502,4 @@ async def speech_ws(ws: WebSocket) -> None:
         svc.metrics.requests.labels("ws_session", "closed").inc()
 
 
-routes = [WebSocketRoute("/v1/audio/speech/ws", speech_ws)]
+v1_routes = [WebSocketRoute("/audio/speech/ws", speech_ws)]

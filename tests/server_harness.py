@@ -42,6 +42,7 @@ class ServerThread:
         self.server = uvicorn.Server(uvicorn_config(self.app, self.settings, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.ready_timeout = ready_timeout
+        self.startup_answers: list[tuple[int, dict]] = []     # /ready answers seen while starting
         self.url = f"http://127.0.0.1:{self.settings.port}"
         self.ws_url = f"ws://127.0.0.1:{self.settings.port}/v1/audio/speech/ws"
 
@@ -56,8 +57,9 @@ class ServerThread:
             if self.service.status == "error":
                 raise RuntimeError(f"server failed to start: {self.service.error}")
             try:
-                if httpx.get(self.url + "/ready", timeout=2,
-                             headers=self.auth_headers()).status_code == 200:
+                r = httpx.get(self.url + "/ready", timeout=2, headers=self.auth_headers())
+                self.startup_answers.append((r.status_code, r.json()))
+                if r.status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -73,8 +75,12 @@ class ServerThread:
         self.thread.join(30)
 
 
-def ref_wav_b64(seconds: Optional[float] = None, rate: int = 24000) -> str:
+def ref_wav_b64(seconds: Optional[float] = None, noise: bool = False) -> str:
+    """The default voice clip (or seeded noise at 16 kHz) as a base64 WAV, cut or tiled to `seconds`."""
     wav, sr = sf.read(str(REF_WAV), dtype="float32")
+    if noise:
+        sr = 16000
+        wav = (0.2 * np.random.default_rng(0).standard_normal(len(wav))).astype(np.float32)
     if seconds is not None:
         wav = np.resize(wav, int(seconds * sr))
     buf = io.BytesIO()
