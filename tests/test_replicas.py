@@ -503,6 +503,12 @@ def test_two_real_servers_behind_the_launcher(tiny_model_dir, tmp_path):
                 assert sorted(r for r, _, _ in results) == replica_urls
                 for _, audio, done in results:
                     assert audio > 0 and done["reason"] in ("eos", "max_frames") and done["frames"] >= 1
+                # the benchmark client through the router: fixed-length turns, spread one per replica
+                from bench.replicas import run as bench_run
+                row = await bench_run(ws_front, 2, 3)
+                assert row["by_replica"] == {url: 1 for url in replica_urls}
+                assert row["frames_total"] == 6 and row["rtf_aggregate"] > 0
+
                 r = await client.post(front + "/v1/audio/speech", json={"input": "Hi.", "response_format": "wav"})
                 assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
                 assert r.content[:4] == b"RIFF" and r.headers["x-replica"] in replica_urls
