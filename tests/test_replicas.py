@@ -71,7 +71,6 @@ class Served:
 
     async def __aexit__(self, *exc):
         if not self.task.done():
-            self.server.force_exit = True
             await self.stop()
 
 
@@ -214,8 +213,13 @@ def test_replica_that_goes_away_or_drains_gets_no_new_sessions():
                 assert [await replica_of(ws) for ws in fresh] == [kept_on] * 3
                 other_state.ready = True
                 await settle(router)
+                doomed = await connect(front.ws + WS_PATH)
+                assert await replica_of(doomed) == other.url
 
                 await other.stop()
+                with pytest.raises(ConnectionClosed):  # its session ends with the replica's own close code
+                    await doomed.recv()
+                assert doomed.close_code == 1012       # uvicorn's "service restart", passed on
                 # gone since the last poll: the refused connect is skipped within the same request
                 assert blind.pool.replicas[other.url].ready
                 sockets = [await connect(blind_front.ws + WS_PATH) for _ in range(3)]
