@@ -36,7 +36,7 @@ RUNNING, EOS, LIMIT = 0, 1, 2
 
 @dataclass
 class StepOutput:
-    frames: torch.Tensor       # [n, 16] int64 on the device (rows that were not active: garbage)
+    frames: torch.Tensor       # [n, 16] int64 on the device, valid until the next step (inactive rows: garbage)
     frames_cpu: torch.Tensor   # the same on the host
     status: list[int]          # per row: RUNNING, EOS (next c0 was EOS: no more frames) or LIMIT
 
@@ -68,6 +68,12 @@ class ModelRunner:
         self.limit = torch.zeros(s, dtype=torch.long, device=dev)        # max frames
         self.params = SamplingTensors.from_params([SamplingParams(seed=0)] * s, dev)
         self.lengths = np.zeros(s, dtype=np.int64)   # host mirror of `length`: kmax without a device sync
+        self.graphs = None                            # engine.graphs.StepGraphs once enabled
+
+    def use_cuda_graphs(self, batch_buckets=None, kv_buckets=None) -> None:
+        """Replay the decode step from CUDA graphs, captured per (batch, kv length) bucket on first use."""
+        from .graphs import StepGraphs
+        self.graphs = StepGraphs(self, batch_buckets, kv_buckets)
 
     def grow(self, capacity: int) -> None:
         """Reallocate the talker cache with more positions per slot, keeping its contents."""
@@ -78,6 +84,8 @@ class ModelRunner:
         self.cache.k[:, :, :old.capacity] = old.k[:, :, :old.capacity]
         self.cache.v[:, :, :old.capacity] = old.v[:, :, :old.capacity]
         self.capacity = capacity
+        if self.graphs is not None:          # captured graphs point at the old cache
+            self.graphs = type(self.graphs)(self, self.graphs.batch_buckets, None)
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -148,6 +156,28 @@ class ModelRunner:
 
     # -- decode ----------------------------------------------------------------------------------
 
+    def decode(self, n: int, kmax: int, act: torch.Tensor, text_embeds: torch.Tensor) -> torch.Tensor:
+        """The device part of `step` for slots 0..n-1, attending over kmax keys: frames and status
+        packed as [n, 17] int64. Only tensor ops with static shapes for (n, kmax), and rows with
+        act False keep their state, so `engine.graphs` captures it in a CUDA graph as it is."""
+        params = self.params.head(n)
+        frame_index = self.generated[:n] - 1
+        h, c0 = self.h[:n], self.c0[:n]
+        rest = self.talker.predict_codes(
+            h, c0, lambda logits, group: sample_subtalker(logits, group, frame_index, params), self.cp_cache)
+        frames = torch.cat([c0[:, None], rest], dim=1)
+        x = self.talker.embed_frame(frames) + text_embeds
+        hidden = self.talker(x[:, None], self.cache, self.length[:n], kmax=kmax)[:, 0]
+        new_c0 = sample_talker(self.processor, self.talker.logits(hidden), self.seen[:n], self.generated[:n], params)
+        self.h[:n] = torch.where(act[:, None], hidden, h)
+        self.c0[:n] = torch.where(act, new_c0, c0)
+        self.seen[:n] |= torch.zeros_like(self.seen[:n]).scatter_(1, new_c0[:, None], True) & act[:, None]
+        self.generated[:n] += act
+        self.length[:n] += act
+        status = self._status(new_c0, self.generated[:n], self.length[:n], self.limit[:n])
+        status = torch.where(act, status, RUNNING)
+        return torch.cat([frames, status[:, None]], dim=1)
+
     @torch.no_grad()
     def step(self, n: int, active: list[bool], text_embeds: torch.Tensor) -> StepOutput:
         """One frame for every active row among slots 0..n-1.
@@ -157,28 +187,17 @@ class ModelRunner:
         For each active row: the code predictor completes frame k from (h, c0), the talker runs
         embed_frame(frame) + text at the next position, and c0 number k+1 is sampled. The frame is
         returned; status says whether the row continues (inactive rows: RUNNING, state untouched).
-        One host->device copy (the mask) and one device->host copy (frames + status).
+        One host->device copy (the mask) and one device->host copy (frames + status). On CUDA with
+        graphs enabled (`use_cuda_graphs`), the device part replays a captured graph per bucket.
         """
         on_host = np.asarray(active, dtype=bool)
-        act = torch.from_numpy(on_host).to(self.device, non_blocking=True)
-        params = self.params.head(n)
-        frame_index = self.generated[:n] - 1
-        h, c0 = self.h[:n], self.c0[:n]
-        rest = self.talker.predict_codes(
-            h, c0, lambda logits, group: sample_subtalker(logits, group, frame_index, params), self.cp_cache)
-        frames = torch.cat([c0[:, None], rest], dim=1)
-        x = self.talker.embed_frame(frames) + text_embeds.to(self.dtype)
         live = int(self.lengths[:n].max()) + 1
-        kmax = min(self.capacity, -(-live // self.kv_bucket) * self.kv_bucket)
-        hidden = self.talker(x[:, None], self.cache, self.length[:n], kmax=kmax)[:, 0]
-        new_c0 = sample_talker(self.processor, self.talker.logits(hidden), self.seen[:n], self.generated[:n], params)
-        self.h[:n] = torch.where(act[:, None], hidden, h)
-        self.c0[:n] = torch.where(act, new_c0, c0)
-        self.seen[:n] |= torch.zeros_like(self.seen[:n]).scatter_(1, new_c0[:, None], True) & act[:, None]
-        self.generated[:n] += act
-        self.length[:n] += act
+        if self.graphs is not None:
+            out = self.graphs.run(n, live, on_host, text_embeds)
+        else:
+            kmax = min(self.capacity, -(-live // self.kv_bucket) * self.kv_bucket)
+            act = torch.from_numpy(on_host).to(self.device, non_blocking=True)
+            out = self.decode(n, kmax, act, text_embeds.to(self.dtype))
+        packed = out.cpu()
         self.lengths[:n] += on_host
-        status = self._status(new_c0, self.generated[:n], self.length[:n], self.limit[:n])
-        status = torch.where(act, status, RUNNING)
-        packed = torch.cat([frames, status[:, None]], dim=1).cpu()
-        return StepOutput(frames, packed[:, :16], packed[:, 16].tolist())
+        return StepOutput(out[:, :16], packed[:, :16], packed[:, 16].tolist())

@@ -207,7 +207,7 @@ class Scheduler:
                  capacity: int = 512, max_capacity: Optional[int] = None, max_queue: int = 1024,
                  prefill_chunk: int = 256, prefill_budget: int = 1024, frames_per_token: float = 6.0,
                  frame_margin: int = 32, keep_codes: bool = False, oom_retries: int = 2,
-                 oom_defer_iterations: int = 4):
+                 oom_defer_iterations: int = 4, cuda_graphs: bool = True):
         """model: `engine.loader.TTSModel`. max_batch: slots (sessions decoding at once).
 
         window_frames: vocoder frames for a session's first audio chunk, then for each later one.
@@ -218,6 +218,7 @@ class Scheduler:
         prefill_chunk / prefill_budget: prompt positions per row / in all, per iteration.
         frames_per_token, frame_margin: the frame estimate of a turn, to size the cache at admission.
         keep_codes: put each turn's codes [frames, 16] in its TurnResult (tests, CLI).
+        cuda_graphs: on a CUDA device, replay the decode step from CUDA graphs (`engine.graphs`).
         """
         cfg = model.config
         self.model = model
@@ -232,6 +233,8 @@ class Scheduler:
         self.device = model.device
         self.prompts: PromptBuilder = model.prompts
         self.runner = ModelRunner(model, max_batch, min(capacity, self.max_capacity))
+        if cuda_graphs and torch.device(self.device).type == "cuda":
+            self.runner.use_cuda_graphs()
         self.vocoder = StreamingVocoder(model.vocoder, max_batch, WindowPolicy(*window_frames),
                                         cfg.talker.num_code_groups, self._out_of_memory)
         self.samples_per_frame = cfg.samples_per_frame

@@ -1,0 +1,87 @@
+"""CUDA graphs of the decode step, one per (batch bucket, kv-length bucket).
+
+One decode step launches ~2,000 small kernels (1 talker forward + 15 code-predictor steps + 16
+samplings); at small batch the GPU waits on launches, not on math (PERF_NOTES.md). `ModelRunner.decode`
+has static shapes for a given (n, kmax) and only in-place state updates, so it is captured as it is:
+the batch is padded up to a bucket with inactive rows (whose state `decode` leaves untouched) and
+attention spans a bucketed number of keys. Graphs are captured on first use of a bucket (or up front
+by `capture`) from a shared memory pool; capturing runs with every row inactive, so it is safe while
+sessions are live.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def _kv_buckets(capacity: int) -> list[int]:
+    """128, 256, 512, ... up to the cache capacity (attention reads at most 2x the live keys)."""
+    out, k = [], 128
+    while k < capacity:
+        out.append(k)
+        k *= 2
+    return out + [capacity]
+
+
+class StepGraphs:
+    def __init__(self, runner, batch_buckets=None, kv_buckets=None):
+        self.runner = runner
+        max_batch = runner.max_batch
+        buckets = sorted({b for b in (batch_buckets or DEFAULT_BATCH_BUCKETS) if b < max_batch} | {max_batch})
+        self.batch_buckets = buckets
+        self.kv_buckets = sorted(kv_buckets) if kv_buckets else _kv_buckets(runner.capacity)
+        hidden = runner.h.shape[1]
+        self.act = torch.zeros(max_batch, dtype=torch.bool, device=runner.device)
+        self.text = torch.zeros(max_batch, hidden, dtype=runner.dtype, device=runner.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def bucket(self, n: int, live: int) -> tuple[int, int, bool, bool]:
+        b = self.batch_buckets[bisect.bisect_left(self.batch_buckets, n)]
+        k = self.kv_buckets[min(bisect.bisect_left(self.kv_buckets, live), len(self.kv_buckets) - 1)]
+        p = self.runner.params
+        return b, k, p.talker_top_p_any, p.sub_top_p_any   # top-p flags change which ops run
+
+    def run(self, n: int, live: int, active: np.ndarray, text_embeds: torch.Tensor) -> torch.Tensor:
+        """Replay the step for slots 0..n-1; returns the packed [n, 17] device output."""
+        key = self.bucket(n, live)
+        entry = self.graphs.get(key) or self._capture(key)
+        b = key[0]
+        host = np.zeros(b, dtype=bool)
+        host[:n] = active
+        self.act[:b].copy_(torch.from_numpy(host), non_blocking=True)
+        self.text[:n].copy_(text_embeds)
+        graph, out = entry
+        graph.replay()
+        return out[:n]
+
+    def capture(self, max_live: int | None = None) -> int:
+        """Capture every batch bucket for kv buckets up to `max_live` keys (server warm-up)."""
+        kvs = [k for k in self.kv_buckets if max_live is None or k <= max(max_live, self.kv_buckets[0])]
+        p = self.runner.params
+        for b in self.batch_buckets:
+            for k in kvs:
+                key = (b, k, p.talker_top_p_any, p.sub_top_p_any)
+                if key not in self.graphs:
+                    self._capture(key)
+        return len(self.graphs)
+
+    def _capture(self, key):
+        b, k = key[0], key[1]
+        runner = self.runner
+        self.act[:b] = False                      # every row inactive: capturing changes no state
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):                    # warm-up: lazy inits, allocator, cuBLAS handles
+                runner.decode(b, k, self.act[:b], self.text[:b])
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+            out = runner.decode(b, k, self.act[:b], self.text[:b])
+        self.graphs[key] = (graph, out)
+        return graph, out
