@@ -34,7 +34,7 @@ DEFAULT_VOICE_ID = "default"
 # OpenAI's built-in voice names: clients send one (the field is required there); they mean "the default".
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage",
                            "shimmer", "verse", "marin", "cedar"})
-DEMO_MODEL_NAME = "qwen3-tts-demo (random tiny weights: the audio is noise)"
+DEMO_MODEL_NAME = "qwen3-tts-demo-random-tiny"   # random weights: the audio is noise
 RETRY_AFTER_S = 1.0
 WARMUP_TEXT = "Hello."
 
@@ -153,11 +153,10 @@ class Service:
         return Scheduler(model, max_batch, max_capacity=max_capacity, max_queue=s.max_queue).start()
 
     def _demo_model(self) -> Path:
-        from engine.testing.random_model import write_random_model
+        """--demo: the tiny preset with random weights (seed 0), written to a temporary folder."""
+        from engine.testing.random_model import build
         self._demo_dir = tempfile.TemporaryDirectory(prefix="qwen3-tts-demo-")
-        path = Path(self._demo_dir.name) / "tiny"
-        write_random_model(path, preset="tiny")
-        return path
+        return build("tiny", 0, Path(self._demo_dir.name) / "tiny")
 
     async def _warm_up(self) -> None:
         """One short greedy turn through the whole path (prefill, decode, vocoder)."""
