@@ -18,6 +18,7 @@ from tts_server import REPO, tts_server
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = REPO / "test-artifacts"
 SAMPLES_PER_FRAME = 1920
+API_KEY = "sesame"
 LONG_TEXT = ("This turn is long on purpose, so that the stop button has something to interrupt. ") * 6
 
 
@@ -25,8 +26,10 @@ LONG_TEXT = ("This turn is long on purpose, so that the stop button has somethin
 def server(tiny_model_dir, tmp_path_factory):
     # The tiny random model never says EOS: every turn runs to its max_frames, which the page's
     # "Max length" option sets per turn; the server's cap stops a turn whose stop button failed.
+    # It also runs behind an API key: a page opened once as /?api_key=KEY gets a cookie from the
+    # server that its files, REST calls and WebSocket then carry.
     voices = tmp_path_factory.mktemp("voices")
-    with tts_server(tiny_model_dir, "--max-frames", "400", "--voices-dir", str(voices)) as url:
+    with tts_server(tiny_model_dir, "--max-frames", "400", "--voices-dir", str(voices), api_key=API_KEY) as url:
         yield url
 
 
@@ -48,9 +51,10 @@ def page(browser, server):
     requests, errors = [], []
     page.on("request", lambda r: requests.append(r.url))
     page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto(server + "/")
+    page.goto(f"{server}/?api_key={API_KEY}")
     page.wait_for_function("window.__tts && window.__tts.connected", timeout=15000)
     yield page
+    errors += page.evaluate("window.__tts.errors")      # what the page showed as errors
     page.close()
     assert not errors, errors
     foreign = [u for u in requests if not u.startswith((server, server.replace("http", "ws"), "data:", "blob:"))]
@@ -150,3 +154,11 @@ def test_reference_voice_is_saved_and_spoken_with(page, golden_dir):
     turn = done_turn(page, 0)
     assert turn["reason"] == "max_frames" and turn["samples"] == turn["server_samples"] > 0
     assert page.evaluate("window.__tts.settings.voice") == voice_id    # the session.updated it was spoken with
+
+
+def test_page_needs_the_api_key(browser, server):
+    page = browser.new_page()
+    try:
+        assert page.goto(server + "/").status == 401
+    finally:
+        page.close()

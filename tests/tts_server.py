@@ -1,9 +1,7 @@
 """Runs the TTS server (tiny model) and the bridge as real subprocesses for tests/test_web.py and
-tests/test_twilio.py. QWEN3_TTS_URL=http://host:port runs those tests against a server that is
-already up instead (e.g. one on a GPU machine)."""
+tests/test_twilio.py, as a user starts them."""
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -11,7 +9,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import httpx
 
@@ -25,7 +23,8 @@ def free_port() -> int:
 
 
 @contextmanager
-def subprocess_service(args: list[str], ready_url: str, timeout_s: float = 120.0) -> Iterator[None]:
+def subprocess_service(args: list[str], ready_url: str, timeout_s: float = 120.0,
+                       headers: Optional[dict] = None) -> Iterator[None]:
     """Starts `args`, waits until `ready_url` answers 200, stops it at the end; its log is shown on failure."""
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -39,7 +38,7 @@ def subprocess_service(args: list[str], ready_url: str, timeout_s: float = 120.0
                 if proc.poll() is not None:
                     raise RuntimeError(f"{' '.join(args)} exited with {proc.returncode}:\n{output()}")
                 try:
-                    if httpx.get(ready_url, timeout=2).status_code == 200:
+                    if httpx.get(ready_url, headers=headers, timeout=2).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
@@ -57,14 +56,13 @@ def subprocess_service(args: list[str], ready_url: str, timeout_s: float = 120.0
 
 
 @contextmanager
-def tts_server(model_dir: Path, *extra: str) -> Iterator[str]:
+def tts_server(model_dir: Path, *extra: str, api_key: Optional[str] = None) -> Iterator[str]:
     """The base URL (http://127.0.0.1:PORT) of a TTS server serving `model_dir` on the CPU."""
-    if os.environ.get("QWEN3_TTS_URL"):
-        yield os.environ["QWEN3_TTS_URL"].rstrip("/")
-        return
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = [sys.executable, "-m", "app", "--model-dir", str(model_dir), "--host", "127.0.0.1",
             "--port", str(port), "--device", "cpu", *extra]
-    with subprocess_service(args, f"{url}/ready"):
+    if api_key:
+        args += ["--api-key", api_key]
+    with subprocess_service(args, f"{url}/ready", headers={"Authorization": f"Bearer {api_key}"} if api_key else None):
         yield url
