@@ -86,6 +86,7 @@ def _spawn(cmd: list[str], env: dict) -> subprocess.Popen:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m app.replicas.launcher", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False,  # a server flag must never be taken for an abbreviation
                                 epilog="Other flags (--model-dir, --max-batch, --demo, ...) go to every server.")
     p.add_argument("--gpus", default="all", help="'all' visible GPUs or the first N of them")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,

@@ -321,7 +321,7 @@ def _env_list(name: str) -> list[str]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m app.replicas.router", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m app.replicas.router", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--replica", action="append", help="base URL of a replica, repeatable (env REPLICAS, comma-separated)")
     p.add_argument("--discover", action="append",
                    help="HOST:PORT whose DNS records are the replicas, e.g. a headless Service (env DISCOVER)")
