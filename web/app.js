@@ -212,9 +212,20 @@ function finishTurn(turn, done) {
     server_ttfa_ms: done.ttfa_ms, rtf: done.rtf,
   };
   tts.turns.push(record);
+  addHistory(record);
   $('turn-state').textContent = done.reason || 'done';
   if (typeof done.rtf === 'number') $('rtf').textContent = `${done.rtf.toFixed(2)}×`;
   if (turn.samples) offerDownload(turn);
+}
+
+function addHistory(r) {
+  const row = document.createElement('tr');
+  const cells = [r.id, r.reason, `${(r.samples / SAMPLE_RATE).toFixed(2)} s`,
+    r.ttfa_ms === null ? '–' : `${Math.round(r.ttfa_ms)} ms`, typeof r.rtf === 'number' ? `${r.rtf.toFixed(2)}×` : '–'];
+  for (const text of cells) row.insertCell().textContent = text;
+  const body = $('history');
+  body.prepend(row);
+  while (body.rows.length > 5) body.deleteRow(-1);
 }
 
 // ---------------------------------------------------------------- controls
