@@ -1,0 +1,103 @@
+"""Where a frame's time goes: talker, code predictor, sampling, vocoder and host, by batch size.
+
+Times (CUDA events, median of `--reps`) on a runner whose B slots hold prompts of `--prompt` positions:
+  step_graph   ModelRunner.step with CUDA graphs (what the scheduler runs per frame)
+  step_eager   the same step without graphs
+  talker       one talker forward (B rows, 1 position)       \\
+  predictor    the 15 code-predictor steps with sampling      } eager, to split step_eager
+  sample       one talker logits processing + sampling        /
+  vocoder_wN   VocoderStreams.decode of N frames for B streams, per frame
+
+    python -m bench.breakdown --model-dir /tmp/rand06b --batches 1,64,256
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from engine.loader import load_model
+from engine.requests import SamplingParams
+from engine.runner import ModelRunner
+from engine.sampling import sample_subtalker, sample_talker
+from engine.model.vocoder import VocoderStreams
+
+
+def timed(fn, reps: int) -> float:
+    """Median milliseconds of fn() on the current stream."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def breakdown(model, batch: int, prompt: int, reps: int, windows: list[int]) -> dict:
+    dev, dt = model.device, model.dtype
+    d = model.config.talker.transformer.hidden_size
+    runner = ModelRunner(model, batch, prompt + 64)
+    slots = list(range(batch))
+    runner.admit(slots, [SamplingParams(seed=i, min_new_tokens=10 ** 6) for i in slots], [10 ** 6] * batch)
+    runner.prefill(slots, [torch.randn(prompt, d, device=dev, dtype=dt) * 0.1 for _ in slots])
+    text = torch.randn(batch, d, device=dev, dtype=dt) * 0.1
+    active = [True] * batch
+
+    def reset():      # keep lengths constant across repetitions
+        runner.length[:batch] = prompt
+        runner.lengths[:batch] = prompt
+
+    out = {"batch": batch, "prompt": prompt}
+    out["step_eager_ms"] = timed(lambda: (reset(), runner.step(batch, active, text)), reps)
+    runner.use_cuda_graphs()
+    out["step_graph_ms"] = timed(lambda: (reset(), runner.step(batch, active, text)), reps)
+    runner.graphs = None
+    kmax = -(-(prompt + 1) // 64) * 64
+    x = torch.randn(batch, 1, d, device=dev, dtype=dt) * 0.1
+    start = runner.length[:batch].clone()
+    out["talker_ms"] = timed(lambda: model.talker(x, runner.cache, start, kmax=kmax), reps)
+    params = runner.params.head(batch)
+    frame = runner.generated[:batch]
+    out["predictor_ms"] = timed(lambda: model.talker.predict_codes(
+        runner.h[:batch], runner.c0[:batch], lambda lg, g: sample_subtalker(lg, g, frame, params), runner.cp_cache), reps)
+    logits = torch.randn(batch, model.config.talker.vocab_size, device=dev)
+    out["sample_ms"] = timed(lambda: sample_talker(runner.processor, logits, runner.seen[:batch], frame, params), reps)
+    streams = VocoderStreams(model.vocoder, batch)
+    idx = torch.arange(batch, device=dev)
+    for w in windows:
+        codes = torch.randint(0, 2048, (batch, w, 16), device=dev)
+        streams.reset(idx)
+        out[f"vocoder_w{w}_ms_per_frame"] = timed(lambda: streams.decode(idx, codes), reps) / w
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--prompt", type=int, default=200, help="cache positions per row (prompt + frames so far)")
+    ap.add_argument("--windows", default="2,8")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    model = load_model(args.model_dir, device="cuda", dtype=getattr(torch, args.dtype))
+    for b in (int(x) for x in args.batches.split(",")):
+        row = {"peer": "qwen3-tts-server", "kind": "breakdown", "dtype": args.dtype,
+               **breakdown(model, b, args.prompt, args.reps, [int(w) for w in args.windows.split(",")])}
+        print("RESULT", json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

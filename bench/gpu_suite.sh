@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One device call: build a random 0.6B folder, time our engine (breakdown + scheduler throughput),
+# then time the peer faster-qwen3-tts on the same folder, so every figure has a peer's beside it.
+# Run from the repo root on the GPU machine (see bench/README.md for the wheels it needs in .whl/).
+#   STAGES=model,breakdown,throughput,ttfa,peer bash bench/gpu_suite.sh
+set -u
+OUTD=${OUT:-/tmp/bench_out}; mkdir -p "$OUTD"
+STAGES=${STAGES:-model,breakdown,throughput,peer}
+MODEL=${MODEL:-/tmp/rand06b}
+R="$OUTD/results.jsonl"
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+t0=$SECONDS
+# Server-side packages the GPU image lacks (starlette, uvicorn, websockets, soundfile, soxr).
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_srv .whl/srv/*.whl \
+  .whl/common/soundfile-*.whl .whl/common/soxr-*.whl .whl/common/cffi-*.whl .whl/common/pycparser-*.whl 2>&1 | grep -vi warning
+export PYTHONPATH=/tmp/site_srv:$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUTD/env.txt" 2>&1
+python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))' >> "$OUTD/env.txt" 2>&1
+if has model; then
+  python3 -m engine.testing.random_model --preset 0.6b --seed 0 --out "$MODEL" --bf16 > "$OUTD/model.log" 2>&1
+  echo "model rc=$? at $((SECONDS-t0)) s"
+fi
+if has precision; then
+  timeout 200 python3 -m bench.precision --model-dir "$MODEL" --out "$R" > "$OUTD/precision.log" 2>&1
+  echo "precision rc=$? at $((SECONDS-t0)) s"
+fi
+if has breakdown; then
+  timeout 240 python3 -m bench.breakdown --model-dir "$MODEL" --batches ${BATCHES_BREAKDOWN:-1,64,256} --out "$R" > "$OUTD/breakdown.log" 2>&1
+  echo "breakdown rc=$? at $((SECONDS-t0)) s"
+fi
+if has throughput; then
+  timeout 300 python3 -m bench.throughput --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --out "$R" > "$OUTD/throughput.log" 2>&1
+  echo "throughput rc=$? at $((SECONDS-t0)) s"
+fi
+if has ttfa; then
+  timeout 300 bash bench/ttfa_device.sh "$MODEL" "$R" > "$OUTD/ttfa.log" 2>&1
+  echo "ttfa rc=$? at $((SECONDS-t0)) s"
+fi
+if has peer; then
+  OUT="$OUTD" PB_MODEL="$MODEL" PB_FRAMES=${FRAMES:-125} PB_FQ_MODES=${PB_FQ_MODES:-single} PB_FQ_CHUNKS=2 \
+    PB_FQ_TIMEOUT=200 bash .peers/run_all.sh fq517 > "$OUTD/peer.log" 2>&1
+  echo "peer rc=$? at $((SECONDS-t0)) s"
+fi
+grep -h '"kind": "error"' "$R" 2>/dev/null | cut -c1-400
+python3 .peers/report.py "$R" 2>/dev/null
+grep -h RESULT "$OUTD"/*.log | cut -c1-600
+echo "total $((SECONDS-t0)) s"

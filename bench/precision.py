@@ -1,0 +1,80 @@
+"""bf16 against fp32 on the same random weights: each component's error, and greedy code agreement.
+
+    python -m bench.precision --model-dir /tmp/rand06b [--device cuda]
+
+Components: talker prefill logits, code-predictor logits (first frame), vocoder waveform (random
+codes), x-vector and reference codes of a synthetic reference. Then the same greedy request is
+synthesized in both precisions (EOS suppressed, `--frames` frames) and the fraction of equal codes is
+reported, for codebook 0 and for all 16 (codes diverge for good after the first flip, so the first
+differing frame is reported too).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+
+from engine.loader import load_model
+from engine.requests import SamplingParams, SpeechRequest
+from engine.synth import synthesize
+
+
+def err(a: torch.Tensor, b: torch.Tensor) -> dict:
+    a, b = a.float().flatten(), b.float().flatten()
+    return {"max_abs": (a - b).abs().max().item(), "rel_rms": ((a - b).norm() / b.norm().clamp_min(1e-12)).item(),
+            "ref_max": b.abs().max().item()}
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--frames", type=int, default=60)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    models = {name: load_model(args.model_dir, device=args.device, dtype=dt)
+              for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    ref = (np.sin(np.arange(3 * 24000) * 2 * np.pi * 140 / 24000) * 0.3).astype(np.float32)
+    ref += np.random.default_rng(0).standard_normal(ref.shape).astype(np.float32) * 0.01
+    text = "The quick brown fox jumps over the lazy dog while the sun sets behind the distant hills."
+    rows = {}
+    voices = {n: m.make_voice(ref, 24000, ref_text="A synthetic reference clip.") for n, m in models.items()}
+    rows["xvector"] = err(voices["bf16"].xvector, voices["fp32"].xvector)
+    rows["ref_codes_equal"] = float((voices["bf16"].ref_codes == voices["fp32"].ref_codes).float().mean())
+    voice = voices["fp32"]
+    outs = {}
+    for n, m in models.items():
+        prompt = m.prompts.build(m.tokenizer.text_ids(text), voice, "english")
+        x = prompt.embeds.to(m.device, m.dtype)[None]
+        cache = m.talker.new_cache(1, x.shape[1] + 1)
+        h = m.talker(x, cache, torch.zeros(1, dtype=torch.long, device=m.device))[:, -1]
+        logits = m.talker.logits(h)
+        c0 = logits.argmax(-1)
+        cp = []
+        m.talker.predict_codes(h, c0, lambda lg, g: (cp.append(lg), lg.argmax(-1))[1])
+        codes = torch.randint(0, 2048, (1, 50, 16), generator=torch.Generator().manual_seed(0)).to(m.device)
+        wav = m.vocoder.decode_unchunked(codes)
+        outs[n] = (logits, torch.stack(cp), wav)
+    rows["talker_logits"] = err(outs["bf16"][0], outs["fp32"][0])
+    rows["predictor_logits"] = err(outs["bf16"][1], outs["fp32"][1])
+    rows["vocoder_wav"] = err(outs["bf16"][2], outs["fp32"][2])
+    greedy = SamplingParams(greedy=True, min_new_tokens=args.frames + 2)
+    codes = {n: synthesize(m, [SpeechRequest(text=text, voice=voice, language="english", sampling=greedy,
+                                             max_frames=args.frames)])[0].codes for n, m in models.items()}
+    a, b = np.asarray(codes["bf16"]), np.asarray(codes["fp32"])
+    differ = np.nonzero((a != b).any(axis=1))[0]
+    rows["greedy_codes"] = {"frames": int(a.shape[0]), "agree_c0": float((a[:, 0] == b[:, 0]).mean()),
+                            "agree_all": float((a == b).mean()),
+                            "first_differing_frame": int(differ[0]) if len(differ) else None}
+    row = {"peer": "qwen3-tts-server", "kind": "precision", **rows}
+    print("RESULT", json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
