@@ -18,6 +18,7 @@ import xml.etree.ElementTree as ET
 import httpx
 import pytest
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from tts_server import free_port, subprocess_service, tts_server
 
@@ -234,3 +235,23 @@ def test_twiml_connects_a_call_to_the_stream(bridge):
     stream = ET.fromstring(r.text).find("./Connect/Stream")
     assert stream.get("url") == "wss://bridge.example.com/twilio/media"
     assert [(p.get("name"), p.get("value")) for p in stream.findall("Parameter")] == [("text", "Welcome & hello")]
+
+
+def test_stream_is_closed_when_the_tts_server_is_unreachable():
+    port, dead = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [sys.executable, "-m", "app.bridges.twilio", "--tts-url", f"ws://127.0.0.1:{dead}", "--port", str(port),
+            "--api-key", "k"]
+    with subprocess_service(args, f"{url}/health", timeout_s=30):
+        assert httpx.get(f"{url}/calls").status_code == 401
+        assert httpx.get(f"{url}/calls", headers={"Authorization": "Bearer k"}).json() == {"calls": []}
+
+        async def scenario():
+            async with connect(f"ws://127.0.0.1:{port}/twilio/media") as ws:
+                peer = TwilioPeer(ws, "CA" + "4" * 32)
+                await peer.begin(text="nobody will hear this")
+                with pytest.raises(ConnectionClosed) as closed:
+                    await asyncio.wait_for(ws.recv(), 15)
+                peer.close_inbound()
+                assert closed.value.rcvd.code == 1011
+        asyncio.run(scenario())
