@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from engine.loader import load_model
+from engine.model.kernels import snake_beta, snake_beta_reference
 from engine.requests import SamplingParams, SpeechRequest
 from engine.synth import synthesize
 
@@ -42,6 +43,9 @@ def main() -> None:
     text = "The quick brown fox jumps over the lazy dog while the sun sets behind the distant hills."
     rows = {}
     voices = {n: m.make_voice(ref, 24000, ref_text="A synthetic reference clip.") for n, m in models.items()}
+    x = torch.randn(4, 96, 24000, device=args.device) * 3
+    la, lb = torch.randn(96, device=args.device) * 0.3, torch.randn(96, device=args.device) * 0.3
+    rows["snake_beta_kernel"] = err(snake_beta(x, la, lb), snake_beta_reference(x.double(), la.double(), lb.double()))
     rows["xvector"] = err(voices["bf16"].xvector, voices["fp32"].xvector)
     rows["ref_codes_equal"] = float((voices["bf16"].ref_codes == voices["fp32"].ref_codes).float().mean())
     voice = voices["fp32"]

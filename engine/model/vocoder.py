@@ -18,6 +18,7 @@ from torch import nn
 
 from ..config import DecoderConfig
 from .layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
+from .kernels import snake_beta
 
 # Checkpoint tensors the decode path never reads (the RVQ input projections serve encoding only);
 # pass to `engine.weights.warn_unused(..., ignore_prefixes=...)` with the "decoder." prefix.
@@ -76,9 +77,7 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        alpha = torch.exp(self.alpha)[None, :, None]
-        beta = torch.exp(self.beta)[None, :, None]
-        return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+        return snake_beta(x, self.alpha, self.beta)
 
 
 class ConvNeXtBlock(nn.Module):
