@@ -33,6 +33,15 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops on 2 contended cores run several times slower with 2 OpenMP threads than with 1."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     return load_model(tiny_model_dir)
@@ -107,10 +116,10 @@ FP32 = 1e-4      # the golden waveform tolerance
 
 @pytest.mark.parametrize("precision", ["fp32", "fp64-vocoder"])
 def test_golden_cases_stream_exactly(model, model64, voices, golden_npz, precision):
-    """All golden cases in one batch: golden codes, golden audio (1e-4), streamed == one-shot."""
-    m, tol = (model, FP32) if precision == "fp32" else (model64, EXACT)
+    """Golden cases in one batch: golden codes, golden audio (1e-4), streamed == one-shot decode."""
+    m, tol, cases = (model, FP32, list(CASES)) if precision == "fp32" else (model64, EXACT, ["xvec_eos", "icl_en"])
     with Scheduler(m, 8, keep_codes=True) as sch:
-        handles = {case: sch.submit(request(voices, case)) for case in CASES}
+        handles = {case: sch.submit(request(voices, case)) for case in cases}
         results = {case: h.collect(60) for case, h in handles.items()}
     for case, (chunks, result) in results.items():
         g = golden_npz(case)
@@ -127,14 +136,14 @@ def test_golden_cases_stream_exactly(model, model64, voices, golden_npz, precisi
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_alone_equals_in_batch_arriving_at_different_frames(model64, voices, sampling):
     model = model64
-    target = request(voices, "icl_en", sampling)
+    target = request(voices, "icl_en", sampling, max_frames=20)
     alone_chunks, alone = run_alone(model, target)
     companions = ["xvec_en", "xvec_eos", "icl_zh", "xvec_auto", "xvec_en", "icl_en", "xvec_eos"]
     arrivals = []
     with Scheduler(model, 8, keep_codes=True) as sch:
         handles = []
         for i, case in enumerate(companions[:3]):
-            handles.append(sch.submit(request(voices, case, SamplingParams(seed=i), max_frames=31 - 3 * i)))
+            handles.append(sch.submit(request(voices, case, SamplingParams(seed=i), max_frames=22 - 3 * i)))
         wait_steps(sch, 3)
         arrivals.append(sch.stats().steps)
         mine = sch.submit(target)
@@ -142,7 +151,7 @@ def test_alone_equals_in_batch_arriving_at_different_frames(model64, voices, sam
             wait_steps(sch, arrivals[-1] + 2)
             arrivals.append(sch.stats().steps)
             handles.append(sch.submit(request(voices, case, SamplingParams(greedy=i % 2 == 0, seed=7 + i),
-                                              max_frames=6 + 5 * i)))
+                                              max_frames=6 + 4 * i)))
         chunks, batched = mine.collect(60)
         others = [h.collect(60) for h in handles]
     assert len(set(arrivals)) == len(arrivals)     # they really joined at different frames
@@ -162,7 +171,7 @@ def test_64_concurrent_requests_of_different_lengths(model, voices, golden_npz):
                    prefill_budget=24) as sch:
         jobs = []
         for i in range(64):
-            case, frames = cases[i % len(cases)], (i * 7) % 26
+            case, frames = cases[i % len(cases)], (i * 7) % 23
             jobs.append((case, frames, sch.submit(request(voices, case, max_frames=frames))))
         done = [(case, frames, *h.collect(120)) for case, frames, h in jobs]
         stats = sch.stats()
@@ -245,10 +254,8 @@ def test_cancel_frees_the_slot_within_one_step(model, voices, monkeypatch):
         assert r.reason == "cancelled" and r.frames == 0 and sch.stats().queued == 0
 
 
-def test_out_of_memory_mid_step_is_recovered(model, voices, monkeypatch):
+def test_out_of_memory_mid_step_is_recovered(model, voices, golden_npz, monkeypatch):
     cases = ["xvec_en", "icl_en", "xvec_eos", "icl_zh"]
-    with Scheduler(model, 4, keep_codes=True) as sch:
-        reference = [sch.submit(request(voices, c)).collect(60) for c in cases]
     calls = {"talker": 0, "predictor": 0, "vocoder": 0}
     failing = {"talker": {2, 3, 9, 10, 11, 12, 20}, "predictor": {5, 14}, "vocoder": {1, 4, 5}}
 
@@ -262,18 +269,20 @@ def test_out_of_memory_mid_step_is_recovered(model, voices, monkeypatch):
             return forward(*args, **kwargs)
         monkeypatch.setattr(module, "forward", flaky)
 
-    inject("talker", model.talker.model)                  # runs after the code predictor in a step
+    inject("talker", model.talker.model)                  # in a step it runs after the code predictor
     inject("predictor", model.talker.code_predictor.model)
     inject("vocoder", model.vocoder)
     with Scheduler(model, 4, keep_codes=True, oom_defer_iterations=1) as sch:
         handles = [sch.submit(request(voices, c)) for c in cases]
         results = [h.collect(60) for h in handles]
-        assert sch.stats().oom_recoveries >= sum(len(f) for f in failing.values()) - 1
-    for (chunks, result), (ref_chunks, ref) in zip(results, reference):
-        assert result.reason == ref.reason and result.frames == ref.frames
-        np.testing.assert_array_equal(result.codes, ref.codes)
-        np.testing.assert_allclose(audio(chunks), audio(ref_chunks), rtol=0, atol=FP32)
-        assert result.samples == result.frames * SPF
+        assert sch.stats().oom_recoveries == sum(len(f) for f in failing.values())
+    monkeypatch.undo()
+    for case, (chunks, result) in zip(cases, results):
+        assert result.reason == ("eos" if case == "xvec_eos" else "max_frames")
+        np.testing.assert_array_equal(result.codes, golden_npz(case)["codes_0"])
+        np.testing.assert_allclose(audio(chunks), one_shot(model, result.codes, request(voices, case).voice),
+                                   rtol=0, atol=FP32)
+        check_stream(chunks, result)
 
 
 def test_async_iteration_and_limits(model, voices):
