@@ -33,7 +33,8 @@ LONG_TEXT = ("This is a long answer that keeps going, sentence after sentence, s
 @pytest.fixture(scope="module")
 def tts_url(tiny_model_dir):
     # The tiny random model never says EOS: each turn runs to the server's cap of 20 frames (1.6 s).
-    with tts_server(tiny_model_dir, "--max-frames", "20") as url:
+    # Sessions idle for 1.5 s are closed, unless the bridge keeps them alive.
+    with tts_server(tiny_model_dir, "--max-frames", "20", "--idle-timeout", "1.5") as url:
         yield url
 
 
@@ -194,6 +195,20 @@ def test_call_speaks_paced_frames_marks_turns_clears_and_ends_on_stop(bridge, tt
             await peer.stop()
             peer.close_inbound()
             await wait_gone(http, bridge, tts_url, peer.call_sid)
+    asyncio.run(scenario())
+
+
+def test_a_silent_call_stays_open(bridge, tts_url):
+    async def scenario():
+        async with httpx.AsyncClient(timeout=30) as http, connect(f"{bridge.replace('http', 'ws')}/twilio/media") as ws:
+            peer = TwilioPeer(ws, "CA" + "5" * 32)
+            await peer.begin()
+            await asyncio.sleep(3.0)        # twice the server's idle timeout, nothing said
+            said = (await http.post(f"{bridge}/calls/{peer.call_sid}/say", json={"text": "Still there?"})).json()
+            times, mark = await peer.turn()
+            assert mark == said["turn_id"] and len(times) >= 4
+            peer.close_inbound()
+            await peer.stop()
     asyncio.run(scenario())
 
 

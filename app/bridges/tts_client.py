@@ -77,6 +77,9 @@ class TTSClient:
             msg["turn_id"] = turn_id
         await self.ws.send(json.dumps(msg))
 
+    async def ping(self) -> None:
+        await self.ws.send(json.dumps({"type": "ping"}))
+
     async def events(self) -> AsyncIterator[Union[Audio, dict]]:
         """Audio and control messages (dicts) until the server closes the session."""
         try:
@@ -88,7 +91,9 @@ class TTSClient:
                     else:
                         yield msg
                 else:
-                    yield json.loads(frame)
+                    msg = json.loads(frame)
+                    if msg.get("type") != "pong":
+                        yield msg
         except ConnectionClosed:
             return
 

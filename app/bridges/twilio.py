@@ -87,8 +87,9 @@ class TwilioCall:
         self._queue: asyncio.Queue[_Outgoing] = asyncio.Queue()
         self._send_lock = asyncio.Lock()
         self._clock: Optional[float] = None     # loop time at which the next frame starts playing
-        self._tasks = [asyncio.create_task(self._pump_tts()), asyncio.create_task(self._send_paced())]
         self.ended = asyncio.Event()            # set when the TTS session is gone
+        self._tasks = [asyncio.create_task(self._pump_tts()), asyncio.create_task(self._send_paced()),
+                       asyncio.create_task(self._keep_alive())]
 
     async def say(self, text: str, turn_id: Optional[str] = None, final: bool = True) -> str:
         if turn_id is None:
@@ -151,6 +152,13 @@ class TwilioCall:
                     log.warning("call %s: TTS error %s", self.call_sid, event)
         finally:
             self.ended.set()
+
+    async def _keep_alive(self) -> None:
+        """A call may be silent for minutes; pings keep the server from closing an idle session."""
+        idle_s = (self.tts.created.get("limits") or {}).get("idle_timeout_s") or 60.0
+        while True:
+            await asyncio.sleep(idle_s / 3)
+            await self.tts.ping()
 
     def _end_turn(self, turn_id: str) -> None:
         if turn_id in self.open_turns:
