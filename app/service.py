@@ -37,6 +37,7 @@ OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "
 DEMO_MODEL_NAME = "qwen3-tts-demo-random-tiny"   # random weights: the audio is noise
 RETRY_AFTER_S = 1.0
 WARMUP_TEXT = "Hello."
+WARMUP_KV_KEYS = 1024      # CUDA graphs captured at start for turns up to this many cache positions
 
 
 @dataclass
@@ -159,7 +160,9 @@ class Service:
         return build("tiny", 0, Path(self._demo_dir.name) / "tiny")
 
     async def _warm_up(self) -> None:
-        """One short greedy turn through the whole path (prefill, decode, vocoder)."""
+        """One short greedy turn through the whole path (prefill, decode, vocoder), then, on a GPU, the
+        decode step's CUDA graphs for every batch bucket, so that no session waits for a capture.
+        The engine thread is idle between the two (nothing else is admitted before ready)."""
         request = SpeechRequest(WARMUP_TEXT, self.builtin_voice, sampling=SamplingParams(greedy=True), max_frames=4,
                                 request_id="warmup")
         result = None
@@ -167,6 +170,11 @@ class Service:
             result = item
         if result.reason == "error":
             raise RuntimeError(f"warm-up turn failed: {result.error}")
+        graphs = self.scheduler.runner.graphs
+        if graphs is not None:
+            t0 = time.monotonic()
+            n = await asyncio.to_thread(graphs.capture, WARMUP_KV_KEYS)
+            log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
 
     async def stop(self) -> None:
         self.status = "draining" if self.status == "ok" else self.status

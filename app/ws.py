@@ -233,7 +233,8 @@ class Session:
             if not turn.cancelled:
                 self.cancel_turn(turn, notify)
 
-    def finish(self, turn: Turn, reason: str, frames: int, ttfa_ms: float, wall_s: float, notify: bool = True) -> None:
+    def finish(self, turn: Turn, reason: str, frames: int, ttfa_ms: float, wall_s: float, notify: bool = True,
+               queue_ms: float = 0.0) -> None:
         del self.live[turn.id]
         self.finished[turn.id] = turn.cancelled
         while len(self.finished) > FINISHED_TURNS_KEPT:
@@ -244,7 +245,7 @@ class Session:
             audio_s = turn.samples / rate
             self.event({"type": "turn.done", "turn_id": turn.id, "reason": reason, "frames": frames,
                         "audio_ms": round(audio_s * 1000, 3), "ttfa_ms": round(ttfa_ms, 1),
-                        "rtf": round(audio_s / wall_s, 3) if wall_s > 0 else 0.0,
+                        "rtf": round(audio_s / wall_s, 3) if wall_s > 0 else 0.0, "queue_ms": round(queue_ms, 1),
                         "samples": turn.samples, "sample_rate": rate})
 
     async def speak_loop(self) -> None:
@@ -264,6 +265,7 @@ class Session:
         request = SpeechRequest(text, s.voice, s.language, s.sampling, text_complete=turn.ended,
                                 max_frames=s.max_frames, request_id=f"{self.id}/{turn.id}")
         t0 = time.monotonic()
+        waited_ms = (t0 - turn.created) * 1000      # behind this session's earlier turns
         try:
             turn.handle = self.svc.submit(request)
         except ApiError as e:
@@ -281,8 +283,7 @@ class Session:
             elif not turn.cancelled:
                 if not started:
                     started = True
-                    self.event({"type": "turn.started", "turn_id": turn.id,
-                                "queue_ms": round((t0 - turn.created) * 1000, 1)})
+                    self.event({"type": "turn.started", "turn_id": turn.id, "queue_ms": round(waited_ms, 1)})
                 clock.add(time.monotonic(), item.pcm.shape[0])
                 for offset, data in encoder.encode(item.pcm):
                     self.audio(turn, offset, data)
@@ -294,7 +295,7 @@ class Session:
         wall = time.monotonic() - t0
         self.svc.metrics.observe_turn(result.samples / MODEL_RATE, wall, result.ttfa_ms, clock.underruns)
         self.finish(turn, "cancelled" if turn.cancelled else result.reason, result.frames, result.ttfa_ms, wall,
-                    notify=not self.closing)
+                    notify=not self.closing, queue_ms=waited_ms + result.queue_ms)
 
     # -- incoming ----------------------------------------------------------------------------------
 

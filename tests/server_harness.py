@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import httpx
@@ -149,6 +150,7 @@ class FakeScheduler:
         self.frames, self.frames_per_chunk, self.step_s = frames, frames_per_chunk, step_s
         self.in_flight = 0
         self.submitted = []
+        self.runner = SimpleNamespace(graphs=None)     # no CUDA graphs to capture
 
     def submit(self, request):
         if self.in_flight >= self.max_batch:

@@ -271,3 +271,21 @@ def test_32_concurrent_sessions_each_get_their_own_audio(server):
     for i in range(1, 8):
         for j in range(i + 1, 8):
             assert np.abs(pcm[i] - pcm[j]).max() > 1e-2
+
+
+def test_closed_socket_frees_its_batch_slot(server):
+    scheduler = server.service.scheduler
+
+    async def go():
+        ws = await open_session(server, **greedy(frames=400))
+        await ws.send(json.dumps({"type": "text", "turn_id": "gone", "text": "Hanging up soon.", "final": True}))
+        await next_event(ws, "turn.started")
+        assert scheduler.stats().active == 1
+        await ws.close()
+        t0 = time.monotonic()
+        while scheduler.stats().active and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.005)
+        return time.monotonic() - t0, scheduler.stats()
+    freed_after, stats = run(go())
+    assert stats.active == 0 and stats.queued == 0
+    assert freed_after < 1.0       # a few engine steps of the tiny model on a loaded CPU
