@@ -165,6 +165,8 @@ function onControl(msg) {
   } else if (msg.type === 'turn.done') {
     const turn = turns.get(msg.turn_id);
     if (turn) finishTurn(turn, msg);
+  } else if (msg.type === 'error' && msg.code === 'fatal.idle_timeout') {
+    status('The session closed while idle; the next turn opens a new one.');
   } else if (msg.type === 'error') {
     status(`server error ${msg.code}: ${msg.message}`, true);
     if (msg.turn_id && turns.has(msg.turn_id) && /fatal/.test(msg.code || '')) finishTurn(turns.get(msg.turn_id), { reason: 'error' });
