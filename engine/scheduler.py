@@ -257,6 +257,7 @@ class Scheduler:
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
         self._defer_admissions = 0
+        self._grow_failures = 0
         self._steps = self._frames_total = self._ooms = self._text_waits = 0
         self._last_step_ms, self._last_batch, self._last_sat_out = 0.0, 0, 0
 
@@ -276,6 +277,15 @@ class Scheduler:
         self._commands.put(("stop",))
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def warmup(self, max_live: Optional[int] = None) -> int:
+        """Capture the decode step's CUDA graphs for every batch bucket and the kv buckets up to
+        `max_live` keys (default: all), before serving, so no session waits on a capture. Call before
+        `start`. Returns the number of graphs (0 without CUDA graphs)."""
+        if self.runner.graphs is None:
+            return 0
+        with torch.no_grad():
+            return self.runner.graphs.capture(max_live)
 
     def __enter__(self) -> "Scheduler":
         return self.start()
@@ -394,13 +404,12 @@ class Scheduler:
             self._admit()
         self._prefill()
         ended = self._step()
-        if ended is None:
-            return
-        self._vocode(ended)
-        for s in ended:
+        self._vocode(ended or [])
+        for s in ended or []:
             self._close(s, s.reason)
-        with self._lock:
-            self._last_step_ms = (time.perf_counter() - t0) * 1000
+        if ended is not None:
+            with self._lock:
+                self._last_step_ms = (time.perf_counter() - t0) * 1000
 
     # -- admission and prefill ---------------------------------------------------------------------
 
@@ -472,15 +481,24 @@ class Scheduler:
         self._trail_len[slot] = end
 
     def _grow(self, positions: int) -> bool:
-        """Make the cache hold `positions` per slot (doubling, capped); False on out-of-memory."""
+        """Make the cache hold `positions` per slot (doubling, capped); False on out-of-memory.
+
+        When growing keeps failing, the cache stays as it is: rows that fill it end with
+        "max_frames" rather than every session waiting for memory that will not come back.
+        """
         cap = self.runner.capacity
         if positions <= cap or cap >= self.max_capacity:
             return True
         try:
             self.runner.grow(min(self.max_capacity, max(positions, 2 * cap)))
+            self._grow_failures = 0
             return True
         except torch.OutOfMemoryError:
             self._out_of_memory()
+            self._grow_failures += 1
+            if self._grow_failures > self.oom_retries:
+                log.warning("cannot grow the KV cache past %d positions per slot: capping it there", cap)
+                self.max_capacity = cap
             return False
 
     def _prefill(self) -> None:
@@ -573,11 +591,16 @@ class Scheduler:
         return ended
 
     def _vocode(self, ended: list[_Session]) -> None:
-        """Decode the windows that are due, batched, and send their audio."""
-        slots = np.flatnonzero(self._phase == DECODE)
-        finishing = np.zeros(self.max_batch, dtype=bool)
-        finishing[[s.slot for s in ended]] = True
-        for group, frames in self.vocoder.due(slots, finishing[slots]):
+        """Decode the windows that are due, batched, and send their audio.
+
+        Sessions that ended, and sessions waiting for text, flush what they have: audio already
+        generated is never held back behind text that has not arrived.
+        """
+        decode = self._phase == DECODE
+        flush = decode & (self._trail_pos >= self._trail_len) & ~self._text_done
+        flush[[s.slot for s in ended]] = True
+        slots = np.flatnonzero(decode)
+        for group, frames in self.vocoder.due(slots, flush[slots]):
             wav = self.vocoder.decode(group, frames)
             for slot, pcm in zip(group, wav):
                 self._emit(self._by_slot[slot], pcm)

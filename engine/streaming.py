@@ -2,7 +2,7 @@
 
 Each slot's generated frames wait in a slot-indexed device buffer until its window is full: a small
 first window (time to first audio), larger ones after (fewer, fatter vocoder calls). A finishing
-session flushes what is left. Sessions due with the same window size are decoded in one batched
+session, or one that must wait for text, flushes what it has. Sessions due with the same window size are decoded in one batched
 `VocoderStreams.decode`, whose stateful causal decoder makes the concatenated windows equal to one
 decode of all the frames. An ICL session's stream is primed with its reference codes, so its audio
 equals decoding `ref_codes ++ codes` and dropping the first `T_ref * 1920` samples.
@@ -74,10 +74,11 @@ class StreamingVocoder:
         """Window size now due for each slot."""
         return np.where(self.decoded[slots] == 0, self.policy.first, self.policy.rest)
 
-    def due(self, slots: np.ndarray, finishing: np.ndarray) -> list[tuple[np.ndarray, int]]:
-        """Groups (slots, frames) to decode now: full windows, and what finishing slots have left."""
+    def due(self, slots: np.ndarray, flush: np.ndarray) -> list[tuple[np.ndarray, int]]:
+        """Groups (slots, frames) to decode now: full windows, and whatever the `flush` slots have
+        (a session that ended, or one that has to wait)."""
         full = self.count[slots] >= self.window(slots)
-        ready = slots[full | (finishing & (self.count[slots] > 0))]
+        ready = slots[full | (flush & (self.count[slots] > 0))]
         counts = self.count[ready]
         return [(ready[counts == w], int(w)) for w in np.unique(counts)]
 

@@ -78,13 +78,14 @@ def audio(chunks):
 
 
 def check_stream(chunks, result, window=(2, 8)):
-    """Chunks tile the turn with no gap or overlap, in the window sizes, and add up to frames*1920."""
+    """Chunks tile the turn with no gap or overlap, in the window sizes (any, if window is None), and
+    add up to frames*1920."""
     offset = 0
     for i, c in enumerate(chunks):
         assert c.pcm.dtype == np.float32 and c.sample_offset == offset and c.frame_offset == offset // SPF
         frames = c.pcm.shape[0] // SPF
-        assert c.pcm.shape[0] == frames * SPF
-        assert frames == (window[0] if i == 0 else window[1]) or i == len(chunks) - 1
+        assert c.pcm.shape[0] == frames * SPF and frames > 0
+        assert window is None or frames == (window[0] if i == 0 else window[1]) or i == len(chunks) - 1
         offset += c.pcm.shape[0]
     assert offset == result.samples == result.frames * SPF
 
@@ -187,7 +188,7 @@ def test_64_concurrent_requests_of_different_lengths(model, voices, golden_npz):
 
 def test_text_in_pieces_gives_the_same_codes(model, voices):
     whole = request(voices, "xvec_en")
-    _, expected = run_alone(model, whole)
+    expected_chunks, expected = run_alone(model, whole)
     text = whole.text
     pieces = [text[:1], text[1:4], text[4:12], text[12:13], text[13:27], text[27:]]
     assert "".join(pieces) == text
@@ -197,15 +198,31 @@ def test_text_in_pieces_gives_the_same_codes(model, voices):
         for piece in pieces:
             h.push_text(piece)
             wait_steps(sch, sch.stats().steps + 3)
+        early = h.get(30)              # audio made so far is sent while the text is still incomplete
+        assert isinstance(early, AudioChunk)
         h.finish_text()
         chunks, result = h.collect(60)
         busy.collect(60)
         stats = sch.stats()
+    chunks = [early, *chunks]
     assert stats.text_waits > 0                                # it did sit out steps waiting for text
     np.testing.assert_array_equal(result.codes, expected.codes)
-    check_stream(chunks, result)
+    check_stream(chunks, result, window=None)
+    np.testing.assert_allclose(audio(chunks), audio(expected_chunks), rtol=0, atol=FP32)
     with pytest.raises(RuntimeError):
         h.push_text("more")
+
+
+def test_stop_ends_open_requests(model, voices):
+    sch = Scheduler(model, 1).start()
+    waiting_for_text = sch.submit(SpeechRequest("Hello", voices["ref_en"], "english", GREEDY, text_complete=False))
+    queued = sch.submit(request(voices, "xvec_en"))
+    sch.stop(30)
+    for h in (waiting_for_text, queued):
+        _, r = h.collect(5)
+        assert r.reason == "error" and r.error == "scheduler stopped"
+    with pytest.raises(RuntimeError):
+        sch.submit(request(voices, "xvec_en"))
 
 
 def test_incremental_icl_starts_once_its_prompt_text_is_there(model, voices):
