@@ -1,0 +1,74 @@
+"""engine.testing.random_model: official layout, deterministic per seed, loads and makes usable audio."""
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from engine.config import load_config
+from engine.loader import load_model
+from engine.requests import SamplingParams, SpeechRequest
+from engine.synth import synthesize
+from engine.testing import random_model
+from engine.weights import read_safetensors
+
+FILES = ["model.safetensors", "speech_tokenizer/model.safetensors"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("random") / "tiny"
+    assert random_model.main(["--preset", "tiny", "--seed", "0", "--out", str(out)]) == 0
+    return out
+
+
+def test_layout_matches_the_official_checkpoint(tiny, tiny_model_dir):
+    for name in ["config.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer_config.json",
+                 "preprocessor_config.json", "speech_tokenizer/config.json", "speech_tokenizer/preprocessor_config.json"]:
+        assert (tiny / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
+    for f in FILES:
+        ours, official = read_safetensors(tiny / f), read_safetensors(tiny_model_dir / f)
+        assert sorted(ours) == sorted(official)
+        for k, v in official.items():
+            assert ours[k].shape == v.shape and ours[k].dtype == torch.float32, k
+
+
+def test_deterministic_per_seed_and_bf16(tiny, tmp_path):
+    random_model.build("tiny", 0, tmp_path / "bf16", bf16=True)
+    random_model.build("tiny", 1, tmp_path / "other")
+    a, b = read_safetensors(tiny / FILES[0]), read_safetensors(tmp_path / "bf16" / FILES[0])
+    for k in a:
+        assert b[k].dtype == torch.bfloat16
+        torch.testing.assert_close(b[k], a[k].to(torch.bfloat16), atol=0, rtol=0)
+    codec_a, codec_b = (read_safetensors(d / FILES[1]) for d in (tiny, tmp_path / "bf16"))
+    assert all(torch.equal(codec_a[k], codec_b[k]) for k in codec_a)     # codec stays fp32
+    other = read_safetensors(tmp_path / "other" / FILES[0])
+    assert not torch.equal(other["talker.codec_head.weight"], a["talker.codec_head.weight"])
+
+
+def test_loads_and_synthesizes(tiny, golden_dir):
+    model = load_model(tiny)
+    wav, sr = sf.read(golden_dir / "cases" / "ref_en.wav", dtype="float32")
+    voice = model.make_voice(wav, sr, "The birch canoe slid on the smooth planks.")
+    logits = model.talker.logits(model.talker.embed_codec(torch.arange(8)))
+    assert (logits.std(dim=-1) > 0.1).all()                               # not all tied
+    results = synthesize(model, [SpeechRequest(text="Random weights make noise.", voice=v, language="English",
+                                               sampling=SamplingParams(greedy=True), max_frames=12)
+                                 for v in (voice, model.make_voice(wav, sr))])
+    for res in results:
+        assert res.codes.shape == (12, 16) and res.wav.shape == (12 * 1920,)
+        assert 0.05 < np.abs(res.wav).max() < 0.99 and res.wav.std() > 0.01   # audible, not clipped
+        assert len(np.unique(res.codes[:, 0])) > 3
+    # The audio follows the codes (default-init biases would make every code sequence sound alike).
+    a, b = (r.wav for r in results)
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.9
+
+
+def test_06b_preset_has_the_real_sizes(tmp_path):
+    random_model.copy_configs("0.6b", tmp_path)
+    cfg = load_config(tmp_path)
+    t = cfg.talker.transformer
+    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.head_dim) == (1024, 28, 16, 8, 128)
+    assert cfg.predictor.transformer.num_hidden_layers == 5 and cfg.speaker.enc_dim == 1024
+    assert cfg.decoder.hidden_size == 512 and cfg.encoder.num_quantizers == 32
+    with pytest.raises(ValueError, match="unknown preset"):
+        random_model.build("7b", 0, tmp_path / "x")
