@@ -334,3 +334,22 @@ def test_instant_audio_is_reframed_exactly_and_paced_at_real_time():
         ahead = k * FRAME_S - (t - times[0])
         assert ahead <= LEAD_S + 0.005, f"frame {k} sent {ahead * 1000:.0f} ms ahead of real time"
     assert times[-1] - times[0] <= 49 * FRAME_S - LEAD_S + 0.15, "paced slower than real time"
+
+
+def test_clear_drops_audio_still_queued_after_the_server_finished_the_turn():
+    """The server is done with the turn at once; most of its audio still waits for its time slot."""
+    async def scenario():
+        ws = RecordingSocket()
+        call = TwilioCall(ws, {"streamSid": "MZ1", "callSid": "CA1"}, InstantTTS(b"\xff" * 8000, piece=800), LEAD_S)
+        try:
+            await call.say("hello")
+            while sum(m["event"] == "media" for _, m in ws.sent) < 5:
+                await asyncio.sleep(0.005)
+            assert await call.clear() == ["turn-1"]
+            await asyncio.sleep(0.2)
+        finally:
+            await call.close()
+        return [m["event"] for _, m in ws.sent]
+
+    events = asyncio.run(scenario())
+    assert events[-1] == "clear" and set(events[:-1]) == {"media"} and 5 <= len(events) - 1 < 50

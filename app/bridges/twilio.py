@@ -80,7 +80,7 @@ class TwilioCall:
         self.tts = tts
         self.lead_s = lead_s
         self.stats = CallStats()
-        self.open_turns: list[str] = []         # said, not yet finished at the TTS server
+        self.unfinished: list[str] = []         # said, and not all of it sent to Twilio yet (no mark)
         self.cancelled: set[str] = set()
         self._turn_ids = (f"turn-{n}" for n in itertools.count(1))
         self._partial: dict[str, bytes] = {}    # bytes short of a whole frame, per turn
@@ -96,16 +96,16 @@ class TwilioCall:
             turn_id = next(self._turn_ids)
         if turn_id in self.cancelled:
             raise ValueError(f"turn {turn_id!r} was cleared")
-        if turn_id not in self.open_turns:
-            self.open_turns.append(turn_id)
+        if turn_id not in self.unfinished:
+            self.unfinished.append(turn_id)
         await self.tts.say(turn_id, text, final)
         return turn_id
 
     async def clear(self) -> list[str]:
-        """Barge-in: cancel every turn at the server, drop their queued audio, tell Twilio to clear."""
-        cleared = list(self.open_turns)
+        """Barge-in: cancel every turn at the server, drop their unsent audio, tell Twilio to clear."""
+        cleared = list(self.unfinished)
         self.cancelled.update(cleared)
-        self.open_turns.clear()
+        self.unfinished.clear()
         self._partial.clear()
         while not self._queue.empty():
             self._queue.get_nowait()
@@ -120,7 +120,7 @@ class TwilioCall:
         self.stats.marks_echoed.append(name)
 
     def status(self) -> dict:
-        return {"call_sid": self.call_sid, "stream_sid": self.stream_sid, "open_turns": self.open_turns,
+        return {"call_sid": self.call_sid, "stream_sid": self.stream_sid, "unfinished_turns": self.unfinished,
                 "media_sent": self.stats.media_sent, "marks_sent": self.stats.marks_sent,
                 "marks_echoed": self.stats.marks_echoed, "inbound_media": self.stats.inbound_media,
                 "clears": self.stats.clears, "turns_done": self.stats.turns_done}
@@ -161,8 +161,6 @@ class TwilioCall:
             await self.tts.ping()
 
     def _end_turn(self, turn_id: str) -> None:
-        if turn_id in self.open_turns:
-            self.open_turns.remove(turn_id)
         if turn_id in self.cancelled:
             return
         rest = self._partial.pop(turn_id, b"")
@@ -175,9 +173,10 @@ class TwilioCall:
         while True:
             item = await self._queue.get()
             if item.payload is None:
-                await self._send({"event": "mark", "streamSid": self.stream_sid, "mark": {"name": item.turn_id}},
-                                 item.turn_id)
-                self.stats.marks_sent.append(item.turn_id)
+                if await self._send({"event": "mark", "streamSid": self.stream_sid, "mark": {"name": item.turn_id}},
+                                    item.turn_id):
+                    self.stats.marks_sent.append(item.turn_id)
+                    self.unfinished.remove(item.turn_id)
                 continue
             now = loop.time()
             if self._clock is None or self._clock < now:
