@@ -132,12 +132,13 @@ def assert_not_faster_than_real_time(times: list[float], slack_s: float = 0.1) -
 
 
 async def wait_gone(http: httpx.AsyncClient, bridge: str, tts_url: str, call_sid: str) -> None:
-    """Within a second the call leaves the bridge (its TTS socket closed) and frees its batch slot."""
+    """Within a second the call leaves the bridge (its TTS socket closed), and its session and batch
+    slot leave the server."""
     deadline = time.monotonic() + 1.0
     while True:
         calls = (await http.get(f"{bridge}/calls")).json()["calls"]
         health = (await http.get(f"{tts_url}/health")).json()
-        if not any(c["call_sid"] == call_sid for c in calls) and health["batch_active"] == health["queue_depth"] == 0:
+        if not any(c["call_sid"] == call_sid for c in calls) and health["active_sessions"] == health["batch_active"] == 0:
             return
         assert time.monotonic() < deadline, f"call still open: calls={calls} health={health}"
         await asyncio.sleep(0.05)
