@@ -204,7 +204,7 @@ class RequestHandle:
 
 class Scheduler:
     def __init__(self, model, max_batch: int, *, window_frames: tuple[int, int] = (2, 8),
-                 capacity: int = 512, max_capacity: Optional[int] = None, max_queue: int = 1024,
+                 capacity: Optional[int] = None, max_capacity: Optional[int] = None, max_queue: int = 1024,
                  prefill_chunk: int = 256, prefill_budget: int = 1024, frames_per_token: float = 6.0,
                  frame_margin: int = 32, keep_codes: bool = False, oom_retries: int = 2,
                  oom_defer_iterations: int = 4, cuda_graphs: bool = True):
@@ -213,7 +213,8 @@ class Scheduler:
         window_frames: vocoder frames for a session's first audio chunk, then for each later one.
         capacity / max_capacity: talker cache positions per slot, initially / at most (default: the
         longest turn the model allows, max_new_tokens + prefill_chunk). Memory is max_batch x
-        capacity x (layers x 2 x kv_heads x head_dim) elements.
+        capacity x (layers x 2 x kv_heads x head_dim) elements. The default initial capacity is a given
+        max_capacity on CUDA (growing would drop the captured CUDA graphs), else min(512, max_capacity).
         max_queue: sessions waiting for admission before `submit` raises `Overloaded`.
         prefill_chunk / prefill_budget: prompt positions per row / in all, per iteration.
         frames_per_token, frame_margin: the frame estimate of a turn, to size the cache at admission.
@@ -232,6 +233,8 @@ class Scheduler:
         self.oom_retries, self.oom_defer_iterations = oom_retries, oom_defer_iterations
         self.device = model.device
         self.prompts: PromptBuilder = model.prompts
+        if capacity is None:
+            capacity = max_capacity if max_capacity and torch.device(self.device).type == "cuda" else 512
         self.runner = ModelRunner(model, max_batch, min(capacity, self.max_capacity))
         if cuda_graphs and torch.device(self.device).type == "cuda":
             self.runner.use_cuda_graphs()
@@ -272,9 +275,9 @@ class Scheduler:
 
     def stop(self, timeout: Optional[float] = None) -> None:
         """Stop the engine thread; sessions still running end with reason "error" ("scheduler stopped")."""
-        with self._lock:
+        with self._lock:       # a submit that saw the scheduler running is queued before "stop"
             self._stopped = True
-        self._commands.put(("stop",))
+            self._commands.put(("stop",))
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -320,7 +323,7 @@ class Scheduler:
             if self._queued >= self.max_queue:
                 raise Overloaded(f"{self._queued} requests are already waiting")
             self._queued += 1
-        self._send(("submit", session))
+            self._send(("submit", session))
         return handle
 
     def stats(self) -> SchedulerStats:
@@ -348,6 +351,13 @@ class Scheduler:
                     for s in [s for s in self._by_slot if s is not None]:
                         self._close(s, "error", f"engine error: {type(e).__name__}: {e}")
         finally:
+            while True:        # requests submitted before stop() but not yet seen
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command[0] == "submit":
+                    self._waiting.append(command[1])
             for s in [*self._waiting, *(s for s in self._by_slot if s is not None)]:
                 self._close(s, "error", "scheduler stopped")
 
