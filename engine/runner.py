@@ -132,7 +132,7 @@ class ModelRunner:
         di = idx[rows]
         h = hidden[rows, torch.as_tensor([sizes[i] - 1 for i in done], device=self.device)]
         c0 = sample_talker(self.processor, self.talker.logits(h), self.seen[di], self.generated[di],
-                           self._params_of(di))
+                           self.params.rows(di))
         self.h[di] = h
         self.c0[di] = c0
         self.seen[di] = self.seen[di].scatter(1, c0[:, None], True)
@@ -142,11 +142,6 @@ class ModelRunner:
         for i, st in zip(done, status):
             out[i] = st
         return out
-
-    def _params_of(self, idx: torch.Tensor) -> SamplingTensors:
-        p = self.params
-        return SamplingTensors(**{n: getattr(p, n)[idx] for n in p._tensors()},
-                               talker_top_p_any=p.talker_top_p_any, sub_top_p_any=p.sub_top_p_any)
 
     def _status(self, c0, generated, length, limit) -> torch.Tensor:
         """EOS if c0 is EOS; LIMIT if c0 is frame number `limit` or the cache has no room for it."""
