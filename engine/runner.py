@@ -10,7 +10,8 @@ Frame accounting (MODEL.md 6.4, T8). A row's k-th sampled c0 (k = 0 at the end o
 "pending" until the next `step` completes frame k with the code predictor and feeds it back. A
 sampled EOS is never a frame; a row whose limit is `max_frames` stops when its c0 number
 `max_frames` is sampled (the official max_new_tokens = max_frames + 1 gives max_frames frames). EOS
-is impossible for k < 2, so a row makes at least 2 frames unless its limit is lower.
+is masked for k < min_new_tokens (officially 2), so a row makes at least that many frames unless its
+limit is lower.
 
 Protocol (slots are integers 0..max_batch-1; the caller owns the allocation):
     runner.admit(slots, params, max_frames)          # O(1) per slot: fresh state
