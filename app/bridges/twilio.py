@@ -12,6 +12,13 @@ Pacing: media is sent at real time, at most `lead_ms` ahead of the playback cloc
 catch up). Twilio would buffer a burst, but pacing keeps little audio queued on Twilio's side, so an
 echoed mark means "played" within `lead_ms`, and a barge-in has little to throw away. `--lead-ms`
 large (e.g. 60000) forwards as fast as the server produces.
+
+Routes: `WS /twilio/media` (Twilio); `POST /calls/{callSid}/say` `{"text", "turn_id"?, "final"?}`
+-> `{"turn_id"}` (pieces of one turn: same turn_id, `final: false` until the last);
+`POST /calls/{callSid}/clear` -> `{"cancelled": [turn ids]}`; `GET /calls` (per-call counters);
+`GET|POST /twiml?text=...` (TwiML for a number's voice webhook); `GET /health`. The `start`
+event's customParameters `voice` and `language` pick the call's voice and language. Pings keep
+the TTS session of a silent call open.
 """
 from __future__ import annotations
 
