@@ -115,7 +115,7 @@ class Synthesis:
                 self.clock.add(time.monotonic(), item.pcm.shape[0])
                 yield item
 
-    def close(self, outcome: Optional[str] = None) -> None:
+    def close(self) -> None:
         if not self.open:
             return
         self.open = False
@@ -125,8 +125,7 @@ class Synthesis:
         svc.active["rest"] -= 1
         svc.metrics.active_sessions.labels("rest").dec()
         r = self.result
-        if outcome is None:
-            outcome = "cancelled" if r is None or r.reason == "cancelled" else "error" if r.reason == "error" else "ok"
+        outcome = "cancelled" if r is None or r.reason == "cancelled" else "error" if r.reason == "error" else "ok"
         svc.metrics.requests.labels("speech", outcome).inc()
         if r is not None:
             svc.metrics.observe_turn(r.samples / MODEL_RATE, time.monotonic() - self.t0, r.ttfa_ms, self.clock.underruns)

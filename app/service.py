@@ -19,8 +19,10 @@ import soundfile as sf
 import torch
 
 from engine.audio_io import TARGET_RATE, AudioError, load_reference
+from engine.loader import load_model
 from engine.requests import SamplingParams, SpeechRequest, VoicePrompt
 from engine.scheduler import Overloaded, RequestHandle, Scheduler
+from engine.testing.random_model import build as build_random_model
 
 from .errors import ApiError
 from .metrics import Metrics
@@ -143,7 +145,6 @@ class Service:
                 self.on_fatal()
 
     def _build(self) -> Scheduler:
-        from engine.loader import load_model
         s = self.settings
         device = pick_device(s.device)
         dtype = pick_dtype(s.dtype, device)
@@ -155,9 +156,8 @@ class Service:
 
     def _demo_model(self) -> Path:
         """--demo: the tiny preset with random weights (seed 0), written to a temporary folder."""
-        from engine.testing.random_model import build
         self._demo_dir = tempfile.TemporaryDirectory(prefix="qwen3-tts-demo-")
-        return build("tiny", 0, Path(self._demo_dir.name) / "tiny")
+        return build_random_model("tiny", 0, Path(self._demo_dir.name) / "tiny")
 
     async def _warm_up(self) -> None:
         """One short greedy turn through the whole path (prefill, decode, vocoder), then, on a GPU, the

@@ -29,7 +29,7 @@ import msgpack
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 
-from engine.requests import AudioChunk, SamplingParams, SpeechRequest, TurnResult, VoicePrompt
+from engine.requests import SamplingParams, SpeechRequest, TurnResult, VoicePrompt
 
 from .audio import BYTES_PER_SAMPLE, MODEL_RATE, AudioFormat, FormatError, StreamEncoder
 from .errors import ApiError, error_response
@@ -42,8 +42,9 @@ log = logging.getLogger("qwen3_tts.ws")
 MAX_TURN_ID = 128
 FINISHED_TURNS_KEPT = 1024
 CLOSE_GRACE_S = 5.0     # a stuck client gets this long to take the final error and close
-# close codes: 1000 normal (idle timeout), 1001 going away (server stops), 1008 policy (slow reader)
-CLOSE_NORMAL, CLOSE_GOING_AWAY, CLOSE_POLICY = 1000, 1001, 1008
+# close codes: 1000 normal (idle timeout), 1001 going away (server stops), 1008 policy (slow reader),
+# 1011 internal error
+CLOSE_NORMAL, CLOSE_GOING_AWAY, CLOSE_POLICY, CLOSE_INTERNAL = 1000, 1001, 1008, 1011
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,8 @@ class Session:
 
     # -- outgoing ----------------------------------------------------------------------------------
 
-    def _queue(self, item: Outgoing, front: bool = False) -> None:
-        (self.out.appendleft if front else self.out.append)(item)
+    def _queue(self, item: Outgoing) -> None:
+        self.out.append(item)
         self.out_ready.set()
 
     def event(self, payload: dict) -> None:
@@ -249,11 +250,15 @@ class Session:
                         "samples": turn.samples, "sample_rate": rate})
 
     async def speak_loop(self) -> None:
-        while True:
-            while not (self.pending and (self.pending[0].parts or self.pending[0].ended)):
-                self.wake_speaker.clear()
-                await self.wake_speaker.wait()
-            await self.speak(self.pending.popleft())
+        try:
+            while True:
+                while not (self.pending and (self.pending[0].parts or self.pending[0].ended)):
+                    self.wake_speaker.clear()
+                    await self.wake_speaker.wait()
+                await self.speak(self.pending.popleft())
+        except Exception:       # a bug: end this session, keep the server
+            log.exception("session %s failed", self.id)
+            self.fatal("fatal.internal", "internal error; the session is closed", CLOSE_INTERNAL)
 
     async def speak(self, turn: Turn) -> None:
         text = "".join(turn.parts)
@@ -300,7 +305,9 @@ class Session:
     # -- incoming ----------------------------------------------------------------------------------
 
     def busy(self) -> bool:
-        return bool(self.live or self.out)
+        """Audio still to come without the client saying more: queued, or a complete turn not done.
+        (A turn still waiting for text is not: a client that leaves one open and goes quiet is idle.)"""
+        return bool(self.out) or any(t.ended for t in self.live.values())
 
     async def receive_loop(self) -> None:
         """Read and apply messages until the client leaves or the session ends; closes idle sessions."""

@@ -18,7 +18,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 from urllib.parse import urlsplit, urlunsplit
 

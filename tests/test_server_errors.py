@@ -243,8 +243,11 @@ def test_idle_timeout_closes_only_idle_sessions(server):
     async def go():
         idle = await websockets.connect(server.ws_url)
         busy = await websockets.connect(server.ws_url)
+        abandoned = await websockets.connect(server.ws_url)
         await idle.recv()
         await busy.recv()
+        await abandoned.recv()
+        await abandoned.send(json.dumps({"type": "text", "turn_id": "open", "text": "A turn never fini"}))
         t0 = time.monotonic()
         await busy.send(json.dumps({"type": "session.update", "max_frames": 200}))   # ~2 s of speaking
         await busy.send(json.dumps({"type": "text", "turn_id": "t", "text": "Talking for a while.", "final": True}))
@@ -252,12 +255,14 @@ def test_idle_timeout_closes_only_idle_sessions(server):
         with pytest.raises(ConnectionClosed) as closed:
             await asyncio.wait_for(idle.recv(), 5)
         idle_after = time.monotonic() - t0
+        left = await next_event(abandoned, "error", timeout=10)   # a turn left open does not keep it alive
         turn = (await read_turns(busy, 1))["t"]
         await busy.send(json.dumps({"type": "ping"}))
         pong = await next_event(busy, "pong")
         await busy.close()
-        return event, closed.value, idle_after, turn, pong
-    event, closed, idle_after, turn, pong = asyncio.run(go())
+        return event, closed.value, idle_after, turn, pong, left
+    event, closed, idle_after, turn, pong, left = asyncio.run(go())
+    assert left["code"] == "fatal.idle_timeout"
     assert event["code"] == "fatal.idle_timeout" and event["fatal"] is True
     assert closed.rcvd.code == 1000 and 0.9 < idle_after < 4
     assert turn["done"]["reason"] == "max_frames" and pong == {"type": "pong"}
