@@ -41,7 +41,6 @@ class StreamingVocoder:
         self.on_out_of_memory = on_out_of_memory or release_cached_memory
         self.streams = VocoderStreams(vocoder, max_streams)
         self.policy = policy
-        self.samples_per_frame = vocoder.samples_per_frame
         device = self.streams.frames.device
         self.device = device
         self.pending = torch.zeros(max_streams, max(policy.first, policy.rest), num_codebooks,
