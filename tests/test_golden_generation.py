@@ -161,3 +161,21 @@ def test_seeded_sampling_is_batch_invariant(model, golden_cases, golden_npz):
                                                   max_frames=12, sampling=SamplingParams(seed=99))])[0]
     assert not np.array_equal(other_seed.codes, alone.codes)
     assert not np.array_equal(together[1].codes, z["codes_1"][:12])   # sampling, not greedy
+
+
+@pytest.mark.parametrize("name", ["xvec_es", "xvec_eos"])
+def test_xvector_cases_from_reference_wav(model, golden_dir, golden_cases, golden_npz, name):
+    """The whole path from the reference recording: make_voice (resample, mel, x-vector) + synthesize.
+
+    (ICL from the wav is checked against the library path in test_cli.py: the tiny codec encoder's
+    fp32 near-ties make its ref_codes differ from the golden ones in a few late codebooks.)"""
+    import soundfile as sf
+
+    case, z = golden_cases[name], golden_npz(name)
+    wav, sr = sf.read(golden_dir / "cases" / case["ref_audio"], dtype="float32")
+    voice = model.make_voice(wav, sr, x_vector_only=True)
+    item = case["items"][0]
+    (res,) = synthesize(model, [SpeechRequest(text=item["text"], voice=voice, language=item["language"],
+                                              sampling=GREEDY, max_frames=31)])
+    np.testing.assert_array_equal(res.codes, z["codes_0"])
+    np.testing.assert_allclose(res.wav, z["wav_0"], atol=1e-4, rtol=0)
