@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .requests import SamplingParams
-from .sampling import SamplingTensors, TalkerLogitsProcessor, sample_subtalker, sample_talker
+from .sampling import SamplingTensors, TalkerLogitsProcessor, sample_subtalker, sample_talker, subtalker_noise
 
 RUNNING, EOS, LIMIT = 0, 1, 2
 
@@ -159,8 +159,10 @@ class ModelRunner:
         params = self.params.head(n)
         frame_index = self.generated[:n] - 1
         h, c0 = self.h[:n], self.c0[:n]
+        groups = self.talker.code_predictor.num_steps
+        noise = subtalker_noise(params.seed, frame_index, groups, self.talker.code_predictor.cfg.vocab_size)
         rest = self.talker.predict_codes(
-            h, c0, lambda logits, group: sample_subtalker(logits, group, frame_index, params), self.cp_cache)
+            h, c0, lambda logits, group: sample_subtalker(logits, group, frame_index, params, noise), self.cp_cache)
         frames = torch.cat([c0[:, None], rest], dim=1)
         x = self.talker.embed_frame(frames) + text_embeds
         hidden = self.talker(x[:, None], self.cache, self.length[:n], kmax=kmax)[:, 0]

@@ -50,8 +50,9 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
-def random_bits(seed: torch.Tensor, frame: torch.Tensor, codebook: int, vocab: int) -> torch.Tensor:
-    """int64 [B, vocab]: element `counter` of the splitmix64 stream keyed by mix64(seed[b]).
+def random_bits(seed: torch.Tensor, frame: torch.Tensor, codebook, vocab: int) -> torch.Tensor:
+    """int64 [B, vocab] (or [B, G, vocab] for a tensor of G codebooks): element `counter` of the
+    splitmix64 stream keyed by mix64(seed[b]).
 
     counter = ((frame[b] * 32 + codebook) << 12) + token id, so every (frame, codebook, token) of a
     row gets its own draw.
@@ -59,12 +60,16 @@ def random_bits(seed: torch.Tensor, frame: torch.Tensor, codebook: int, vocab: i
     if vocab > 1 << _TOKEN_BITS:
         raise ValueError(f"vocab {vocab} exceeds {1 << _TOKEN_BITS}")
     tokens = torch.arange(vocab, dtype=torch.long, device=seed.device)
+    if isinstance(codebook, torch.Tensor):                       # [G]: one pass for a frame's codebooks
+        counter = ((frame[:, None, None] * (1 << _GROUP_BITS) + codebook[None, :, None]) << _TOKEN_BITS) + tokens
+        return mix64(mix64(seed)[:, None, None] + counter * _GOLDEN)
     counter = ((frame[:, None] * (1 << _GROUP_BITS) + codebook) << _TOKEN_BITS) + tokens
     return mix64(mix64(seed)[:, None] + counter * _GOLDEN)
 
 
-def gumbel_noise(seed: torch.Tensor, frame: torch.Tensor, codebook: int, vocab: int) -> torch.Tensor:
-    """float64 [B, vocab] standard Gumbel noise -log(-log(u)), u = (52 random bits + 0.5) / 2^52 in (0, 1)."""
+def gumbel_noise(seed: torch.Tensor, frame: torch.Tensor, codebook, vocab: int) -> torch.Tensor:
+    """float64 [B, vocab] (or [B, G, vocab]) standard Gumbel noise -log(-log(u)),
+    u = (52 random bits + 0.5) / 2^52 in (0, 1)."""
     u = (_shr(random_bits(seed, frame, codebook, vocab), 12).double() + 0.5) * 2.0 ** -52
     return -torch.log(-torch.log(u))
 
@@ -194,10 +199,13 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
 
 def sample(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: int,
-           top_p_any: bool = True) -> torch.Tensor:
-    """ids [B]: argmax of logits where greedy, else a seeded draw from softmax(warp(logits))."""
+           top_p_any: bool = True, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """ids [B]: argmax of logits where greedy, else a seeded draw from softmax(warp(logits)).
+    `noise`: this codebook's gumbel_noise(seed, frame, codebook) when already computed."""
     warped = warp(logits, temperature, top_k, top_p, top_p_any)
-    drawn = (warped.double() + gumbel_noise(seed, frame, codebook, logits.shape[-1])).argmax(dim=-1)
+    if noise is None:
+        noise = gumbel_noise(seed, frame, codebook, logits.shape[-1])
+    drawn = (warped.double() + noise).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 
@@ -209,11 +217,19 @@ def sample_talker(processor: TalkerLogitsProcessor, logits: torch.Tensor, seen: 
     return sample(logits, p.greedy, p.temperature, p.top_k, p.top_p, p.seed, generated, 0, p.talker_top_p_any)
 
 
-def sample_subtalker(logits: torch.Tensor, group: int, frame: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
+def sample_subtalker(logits: torch.Tensor, group: int, frame: torch.Tensor, p: SamplingTensors,
+                     noise: torch.Tensor | None = None) -> torch.Tensor:
     """Codebook `group` (1..15) ids [B] from fp32 code-predictor logits (MODEL.md 6.3: no penalty,
-    no suppression). `frame` [B] is the row's index of the frame being completed."""
+    no suppression). `frame` [B] is the row's index of the frame being completed. `noise`
+    [B, 15, V]: `subtalker_noise(...)` for the frame (one hash pass instead of 15), or None."""
     return sample(logits, p.sub_greedy, p.sub_temperature, p.sub_top_k, p.sub_top_p, p.seed, frame, group,
-                  p.sub_top_p_any)
+                  p.sub_top_p_any, None if noise is None else noise[:, group - 1])
+
+
+def subtalker_noise(seed: torch.Tensor, frame: torch.Tensor, groups: int, vocab: int) -> torch.Tensor:
+    """Gumbel noise [B, groups, vocab] for codebooks 1..groups of `frame`: the same draws that
+    `sample_subtalker` makes one codebook at a time."""
+    return gumbel_noise(seed, frame, torch.arange(1, groups + 1, device=seed.device), vocab)
 
 
 def mark_seen(seen: torch.Tensor, ids: torch.Tensor) -> None:

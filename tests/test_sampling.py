@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.requests import SamplingParams
-from engine.sampling import (SamplingTensors, TalkerLogitsProcessor, gumbel_noise, mark_seen, random_bits,
+from engine.sampling import (subtalker_noise, SamplingTensors, TalkerLogitsProcessor, gumbel_noise, mark_seen, random_bits,
                              repetition_penalty, sample, sample_subtalker, sample_talker, warp)
 
 V, EOS = 3072, 2150
@@ -179,3 +179,10 @@ def test_params_from_sampling_params():
         SamplingTensors.from_params([SamplingParams(temperature=0.0)])
     with pytest.raises(ValueError):
         SamplingTensors.from_params([SamplingParams(top_p=0.0)])
+
+
+def test_subtalker_noise_of_a_frame_equals_per_codebook_draws():
+    seed, frame = torch.tensor([3, 99, 2 ** 62]), torch.tensor([0, 7, 1000])
+    batched = subtalker_noise(seed, frame, 15, 2048)
+    for g in range(1, 16):
+        assert torch.equal(batched[:, g - 1], gumbel_noise(seed, frame, g, 2048))

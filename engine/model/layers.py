@@ -19,6 +19,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:     # one fused kernel; same math, fp32 statistics (weight applied before the cast back)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -72,6 +74,19 @@ def causal_mask(start: torch.Tensor, t: int, kmax: int) -> torch.Tensor:
     return (keys[None, None, :] <= query_pos[:, :, None])[:, None]                 # [B, 1, t, kmax]
 
 
+def attend(q, k, v, mask):
+    """softmax(q k^T / sqrt(d)) v under a boolean mask; q [B,H,T,D], k/v [B,H,K,D], mask [B,1,T,K].
+
+    SDPA everywhere but on CUDA over a handful of keys (the code predictor's <= 16 per frame), where
+    one matmul + softmax + matmul beats SDPA's kernels (PERF_NOTES.md); softmax is taken in fp32.
+    """
+    if q.is_cuda and k.shape[-2] <= 32:
+        scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return probs.to(v.dtype) @ v
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class Attention(nn.Module):
     """Qwen3 attention: QK-norm before RoPE, grouped KV heads, K/V kept in a slot cache.
 
@@ -101,8 +116,7 @@ class Attention(nn.Module):
         keys, values = cache.read(layer, b, mask.shape[-1], slots)                  # [B, kmax, Hkv, Dh]
         g = self.heads // self.kv_heads
         q = q.reshape(b, self.kv_heads, g * t, self.head_dim)
-        out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=mask.repeat(1, 1, g, 1))
+        out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), mask.repeat(1, 1, g, 1))
         return self.o_proj(out.reshape(b, self.heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1))
 
 
