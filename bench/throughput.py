@@ -93,6 +93,9 @@ def main() -> None:
     cuda = torch.device(args.device).type == "cuda"
     scheduler = Scheduler(model, max_batch=max(batches), window_frames=tuple(int(w) for w in args.window.split(",")),
                           capacity=args.frames + 128)
+    t = time.perf_counter()
+    graphs = scheduler.warmup(max_live=args.frames + 128)
+    print(f"warm-up: {graphs} CUDA graphs in {time.perf_counter() - t:.1f} s", flush=True)
     scheduler.start()
 
     def emit(row: dict) -> None:

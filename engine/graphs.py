@@ -77,8 +77,7 @@ class StepGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(2):                    # warm-up: lazy inits, allocator, cuBLAS handles
-                runner.decode(b, k, self.act[:b], self.text[:b])
+            runner.decode(b, k, self.act[:b], self.text[:b])   # warm-up: lazy inits, allocator, cuBLAS
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
