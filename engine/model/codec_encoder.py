@@ -10,6 +10,7 @@ Everything is causal, so right zero-padding in a batch leaves each row's valid f
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -203,6 +204,22 @@ class SplitResidualVectorQuantizer(nn.Module):
                           self.acoustic_residual_vector_quantizer.encode(latent)], dim=-1)
 
 
+@contextlib.contextmanager
+def _one_cpu_thread(device: torch.device):
+    """On the CPU, encode with one intra-op thread: PyTorch's ELU rounds differently at the edges of
+    each thread's chunk, and the late RVQ levels sit on near-ties, so with several threads the
+    reference codes would depend on the host's core count (one thread reproduces the official ones)."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class CodecEncoder(nn.Module):
     """Mimi encoder of `speech_tokenizer/model.safetensors`; load with prefix 'encoder.'."""
 
@@ -237,7 +254,8 @@ class CodecEncoder(nn.Module):
             raise ValueError(f"lengths must be in 1..{wav.shape[1]}, got {lengths.tolist()}")
         valid = torch.arange(wav.shape[1], device=wav.device) < lengths[:, None]
         wav = torch.where(valid, wav, torch.zeros((), dtype=wav.dtype, device=wav.device))
-        codes = self.quantizer.encode(self.latent(wav))  # [B, ceil(n / 1920), 16]
+        with _one_cpu_thread(wav.device):
+            codes = self.quantizer.encode(self.latent(wav))  # [B, ceil(n / 1920), 16]
         frames = (lengths + self.samples_per_frame - 1) // self.samples_per_frame
         return [row[:f] for row, f in zip(codes, frames.tolist())]
 
