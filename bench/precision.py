@@ -49,20 +49,29 @@ def main() -> None:
     rows["xvector"] = err(voices["bf16"].xvector, voices["fp32"].xvector)
     rows["ref_codes_equal"] = float((voices["bf16"].ref_codes == voices["fp32"].ref_codes).float().mean())
     voice = voices["fp32"]
-    outs = {}
-    for n, m in models.items():
+    outs, forced = {}, []
+    for n, m in models.items():      # fp32 first: bf16 is teacher-forced with fp32's codes
+
         prompt = m.prompts.build(m.tokenizer.text_ids(text), voice, "english")
         x = prompt.embeds.to(m.device, m.dtype)[None]
         cache = m.talker.new_cache(1, x.shape[1] + 1)
         h = m.talker(x, cache, torch.zeros(1, dtype=torch.long, device=m.device))[:, -1]
         logits = m.talker.logits(h)
-        c0 = logits.argmax(-1)
+        c0 = outs["fp32"][3] if n == "bf16" else logits.argmax(-1)
         cp = []
-        m.talker.predict_codes(h, c0, lambda lg, g: (cp.append(lg), lg.argmax(-1))[1])
+
+        def pick(lg, g):
+            cp.append(lg)
+            if n == "fp32":
+                forced.append(lg.argmax(-1))
+            return forced[g - 1]
+        m.talker.predict_codes(h, c0, pick)
         codes = torch.randint(0, 2048, (1, 50, 16), generator=torch.Generator().manual_seed(0)).to(m.device)
         wav = m.vocoder.decode_unchunked(codes)
-        outs[n] = (logits, torch.stack(cp), wav)
+        outs[n] = (logits, torch.stack(cp), wav, c0)
     rows["talker_logits"] = err(outs["bf16"][0], outs["fp32"][0])
+    top2 = outs["fp32"][0].topk(2, dim=-1).values[0]
+    rows["talker_fp32_top1_margin"] = (top2[0] - top2[1]).item()    # random weights: near-ties
     rows["predictor_logits"] = err(outs["bf16"][1], outs["fp32"][1])
     rows["vocoder_wav"] = err(outs["bf16"][2], outs["fp32"][2])
     greedy = SamplingParams(greedy=True, min_new_tokens=args.frames + 2)
