@@ -70,6 +70,16 @@ def main() -> None:
         wav = m.vocoder.decode_unchunked(codes)
         outs[n] = (logits, torch.stack(cp), wav, c0)
     rows["talker_logits"] = err(outs["bf16"][0], outs["fp32"][0])
+    m = models["fp32"]                     # the fused GPU layout (loader default on CUDA) vs separate ops
+    prompt = m.prompts.build(m.tokenizer.text_ids(text), voice, "english")
+    x = prompt.embeds.to(m.device, m.dtype)[None]
+    fused_logits = []
+    for enabled in (True, False):
+        m.talker.model.fuse(enabled)
+        cache = m.talker.new_cache(1, x.shape[1] + 1)
+        fused_logits.append(m.talker.logits(m.talker(x, cache, torch.zeros(1, dtype=torch.long, device=m.device))))
+    m.talker.model.fuse(True)
+    rows["fused_vs_separate_fp32_logits"] = err(fused_logits[0], fused_logits[1])
     top2 = outs["fp32"][0].topk(2, dim=-1).values[0]
     rows["talker_fp32_top1_margin"] = (top2[0] - top2[1]).item()    # random weights: near-ties
     rows["predictor_logits"] = err(outs["bf16"][1], outs["fp32"][1])

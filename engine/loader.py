@@ -141,6 +141,10 @@ def load_model(model_dir_or_hub_id: str | Path, device: str | torch.device = "cp
     ignore = tuple("decoder." + k for k in VOCODER_UNUSED) + tuple("encoder." + k for k in encoder.unused_checkpoint_prefixes)
     warn_unused(codec, used, str(codec_path), ignore_prefixes=ignore)
     del main, codec
-    return TTSModel(config, tokenizer, _place(talker, device, dtype), _place(speaker, device, dtype),
+    talker = _place(talker, device, dtype)
+    if device.type == "cuda":        # fewer, fatter kernels for the decode step (same weights)
+        talker.model.fuse()
+        talker.code_predictor.model.fuse()
+    return TTSModel(config, tokenizer, talker, _place(speaker, device, dtype),
                     _place(encoder, device, codec_dtype), _place(vocoder, device, codec_dtype),
                     device, dtype, model_dir)

@@ -272,3 +272,25 @@ def test_gqa_repeat_interleave_layout():
     v_tiled = cache.v[0, :, :16].transpose(1, 2).repeat(1, 2, 1, 1)
     tiled = ((q @ k_tiled.transpose(-1, -2) / math.sqrt(8)).masked_fill(~mask, float("-inf")).softmax(-1) @ v_tiled)
     assert (attn.o_proj(tiled.transpose(1, 2).reshape(b, t, 32)) - out).abs().max() > 1e-2
+
+
+def test_fused_projections_equal_separate_ones(tiny_model_dir, golden_npz):
+    """The GPU layout (fused QKV / gate-up GEMMs, QK-norm + RoPE in one op) computes the same logits."""
+    from engine.loader import load_model
+    model = load_model(tiny_model_dir)
+    g = golden_npz("xvec_en")
+    x = torch.from_numpy(g["talker_inputs_embeds"])
+    start = torch.zeros(1, dtype=torch.long)
+
+    def logits():
+        cache = model.talker.new_cache(1, x.shape[1] + 1)
+        return model.talker.logits(model.talker(x, cache, start))
+
+    separate = logits()
+    model.talker.model.fuse()
+    fused = logits()
+    assert model.talker.model.layers[0].self_attn.q_proj.weight.data_ptr() == \
+        model.talker.model.layers[0].self_attn.qkv_weight.data_ptr()          # views, no copy of the weights
+    torch.testing.assert_close(fused, separate, atol=1e-5, rtol=0)
+    model.talker.model.fuse(enabled=False)
+    torch.testing.assert_close(logits(), separate, atol=0, rtol=0)

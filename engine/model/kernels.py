@@ -1,8 +1,11 @@
 """Fused GPU kernels where a profile shows the time, each with the plain PyTorch op as its reference.
 
-SnakeBeta is ~56% of the vocoder's GPU time as four separate elementwise kernels (PERF_NOTES.md);
-one Triton kernel reads x once and writes y once. Elsewhere (CPU, no Triton) the PyTorch expression
-runs, and the tests compare the two.
+- SnakeBeta is ~56% of the vocoder's GPU time as four separate elementwise kernels (PERF_NOTES.md);
+  one Triton kernel reads x once and writes y once.
+- QK-norm + RoPE: per attention layer, RMSNorm of each q and k head followed by rotate-half RoPE is
+  ~12 small kernels; one kernel per tensor does both. The decode step runs 103 attention layers, so at
+  small batch this is a large share of its kernel count.
+Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
 """
 from __future__ import annotations
 
@@ -44,4 +47,47 @@ def snake_beta(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor)
     b, c, t = x.shape
     block = 1024
     _snake_beta_kernel[(b * c, triton.cdiv(t, block))](x, y, log_alpha, log_beta, c, t, BLOCK=block)
+    return y
+
+
+def qk_norm_rope_reference(x, weight, eps, cos, sin):
+    """x [B, T, H, D] -> RMSNorm over D (times weight), then RoPE with cos/sin [B, T, D]."""
+    x32 = x.float()
+    n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float())
+    half = x.shape[-1] // 2
+    rot = torch.cat((-n[..., half:], n[..., :half]), dim=-1)
+    return (n * cos.float()[:, :, None] + rot * sin.float()[:, :, None]).to(x.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _qk_norm_rope_kernel(x_ptr, y_ptr, w_ptr, cos_ptr, sin_ptr, H, stride_bt, eps,
+                             D: tl.constexpr, HALF: tl.constexpr):
+        row = tl.program_id(0)                     # one head vector: (b*T + t) * H + h
+        bt, h = row // H, row % H
+        i = tl.arange(0, HALF)
+        src = x_ptr + bt * stride_bt + h * D
+        x1 = tl.load(src + i).to(tl.float32)
+        x2 = tl.load(src + HALF + i).to(tl.float32)
+        inv = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / D + eps)
+        n1 = x1 * inv * tl.load(w_ptr + i).to(tl.float32)
+        n2 = x2 * inv * tl.load(w_ptr + HALF + i).to(tl.float32)
+        c1 = tl.load(cos_ptr + bt * D + i).to(tl.float32)
+        c2 = tl.load(cos_ptr + bt * D + HALF + i).to(tl.float32)
+        s1 = tl.load(sin_ptr + bt * D + i).to(tl.float32)
+        s2 = tl.load(sin_ptr + bt * D + HALF + i).to(tl.float32)
+        dst = y_ptr + row * D
+        tl.store(dst + i, (n1 * c1 - n2 * s1).to(y_ptr.dtype.element_ty))
+        tl.store(dst + HALF + i, (n2 * c2 + n1 * s2).to(y_ptr.dtype.element_ty))
+
+
+def qk_norm_rope(x, weight, eps, cos, sin):
+    """Fused `qk_norm_rope_reference` on CUDA: x [B, T, H, D] may be a strided view (a slice of a fused
+    QKV projection) as long as each head vector is contiguous; returns a contiguous [B, T, H, D]."""
+    b, t, h, d = x.shape
+    if triton is None or not x.is_cuda or d & (d - 1) or x.stride(-1) != 1 or x.stride(2) != d or x.stride(0) != t * x.stride(1):
+        return qk_norm_rope_reference(x, weight, eps, cos, sin)
+    y = torch.empty((b, t, h, d), dtype=x.dtype, device=x.device)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _qk_norm_rope_kernel[(b * t * h,)](x, y, weight, cos, sin, h, x.stride(1), eps, D=d, HALF=d // 2)
     return y

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import qk_norm_rope
+
 
 class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) in fp32, cast back, then scaled by the weight in the input dtype."""
@@ -36,7 +38,19 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
+        self.gate_up_weight = None          # set by `fuse` (GPU): [gate; up] as one GEMM
+
+    def fuse(self) -> None:
+        """One [2*hidden, dim] weight for gate and up; the two parameters become views of it."""
+        w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
+        n = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight.data, self.up_proj.weight.data = w[:n], w[n:]
+        self.gate_up_weight = w
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -104,15 +118,34 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
+        self.qkv_weight = None              # set by `fuse` (GPU): [q; k; v] as one GEMM
+
+    def fuse(self) -> None:
+        """One QKV weight (the three parameters become views of it) and fused QK-norm + RoPE."""
+        w = torch.cat([self.q_proj.weight.data, self.k_proj.weight.data, self.v_proj.weight.data])
+        nq, nk = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
+        self.q_proj.weight.data, self.k_proj.weight.data, self.v_proj.weight.data = w[:nq], w[nq:nq + nk], w[nq + nk:]
+        self.qkv_weight = w
+
+    def _qkv(self, x, cos, sin):
+        """q [B,H,T,Dh] normed and rotated, k [B,T,Hkv,Dh] normed and rotated, v [B,T,Hkv,Dh]."""
+        b, t, _ = x.shape
+        if self.qkv_weight is not None:
+            nq, nk = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv_weight).split([nq, nk, nk], dim=-1)
+            q = qk_norm_rope(q.view(b, t, self.heads, self.head_dim), self.q_norm.weight, self.q_norm.eps, cos, sin)
+            k = qk_norm_rope(k.view(b, t, self.kv_heads, self.head_dim), self.k_norm.weight, self.k_norm.eps, cos, sin)
+            return q.transpose(1, 2), k, v.view(b, t, self.kv_heads, self.head_dim)
+        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin).transpose(1, 2), v
 
     def forward(self, x, cos, sin, cache, layer: int, start, slots, mask):
         """x [B,T,hidden]; writes this step's K/V at positions start[b]+t, attends over mask's keys."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(layer, k.transpose(1, 2), v, start, slots)
+        q, k, v = self._qkv(x, cos, sin)
+        cache.write(layer, k, v, start, slots)
         keys, values = cache.read(layer, b, mask.shape[-1], slots)                  # [B, kmax, Hkv, Dh]
         g = self.heads // self.kv_heads
         q = q.reshape(b, self.kv_heads, g * t, self.head_dim)
@@ -147,6 +180,16 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
+
+    def fuse(self, enabled: bool = True) -> None:
+        """GPU layout: fused QKV and gate/up GEMMs, fused QK-norm + RoPE (same parameters, fewer
+        kernels). `enabled=False` goes back to the separate projections (the weights stay shared)."""
+        for layer in self.layers:
+            if enabled:
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
+            else:
+                layer.self_attn.qkv_weight = layer.mlp.gate_up_weight = None
 
     def forward(self, x, cache, start, slots=None, kmax=None):
         """x [B,T,D] at positions start[b]..start[b]+T-1 of slot slots[b] (row b when None).
