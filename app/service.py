@@ -170,10 +170,9 @@ class Service:
             result = item
         if result.reason == "error":
             raise RuntimeError(f"warm-up turn failed: {result.error}")
-        graphs = self.scheduler.runner.graphs
-        if graphs is not None:
+        if self.scheduler.runner.graphs is not None:
             t0 = time.monotonic()
-            n = await asyncio.to_thread(graphs.capture, WARMUP_KV_KEYS)
+            n = await asyncio.to_thread(self.scheduler.warmup, WARMUP_KV_KEYS)
             log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
 
     async def stop(self) -> None:

@@ -84,6 +84,20 @@ def main() -> None:
     rows["talker_fp32_top1_margin"] = (top2[0] - top2[1]).item()    # random weights: near-ties
     rows["predictor_logits"] = err(outs["bf16"][1], outs["fp32"][1])
     rows["vocoder_wav"] = err(outs["bf16"][2], outs["fp32"][2])
+    if torch.device(args.device).type == "cuda":     # graphed streaming windows == eager ones
+        from engine.graphs import VocoderGraphs
+        from engine.model.vocoder import VocoderStreams
+        voc = models["bf16"].vocoder
+        eager, graphed = VocoderStreams(voc, 8), VocoderStreams(voc, 8)
+        graphs = VocoderGraphs(graphed, (2, 8))
+        slots = torch.tensor([5, 0, 3], device=args.device)
+        for s in (eager, graphed):
+            s.reset(torch.arange(8, device=args.device))
+        pieces = []
+        for w in (2, 8, 8, 3):
+            codes = torch.randint(0, 2048, (3, w, 16), device=args.device)
+            pieces.append((eager.decode(slots, codes), graphs.decode(slots, codes).clone()))
+        rows["vocoder_graphs_vs_eager"] = err(torch.cat([g for _, g in pieces], 1), torch.cat([e for e, _ in pieces], 1))
     greedy = SamplingParams(greedy=True, min_new_tokens=args.frames + 2)
     codes = {n: synthesize(m, [SpeechRequest(text=text, voice=voice, language="english", sampling=greedy,
                                              max_frames=args.frames)])[0].codes for n, m in models.items()}

@@ -84,3 +84,57 @@ class StepGraphs:
             out = runner.decode(b, k, self.act[:b], self.text[:b])
         self.graphs[key] = (graph, out)
         return graph, out
+
+
+class VocoderGraphs:
+    """CUDA graphs of `VocoderStreams.decode`, one per (batch bucket, window size W).
+
+    The streaming vocoder's call has static shapes per (B, W) and no host sync; at small batch its
+    few hundred small kernels cost more to launch than to run. Batches are padded up to a bucket with
+    the streams' spare `pad_slot` (no session owns its state), so only the real rows' state advances.
+    Window sizes other than `windows` (a turn's last, partial window) run eagerly.
+    """
+
+    def __init__(self, streams, windows, batch_buckets=None):
+        self.streams = streams
+        n = streams.max_streams
+        self.windows = sorted(set(windows))
+        self.batch_buckets = sorted({b for b in (batch_buckets or DEFAULT_BATCH_BUCKETS) if b < n} | {n})
+        device = streams.frames.device
+        self.slots = torch.full((n,), streams.pad_slot, dtype=torch.long, device=device)
+        self.codes = torch.zeros(n, max(self.windows), 16, dtype=torch.long, device=device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def decode(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        b, w = codes.shape[:2]
+        if w not in self.windows:
+            return self.streams.decode(slots, codes)
+        bucket = self.batch_buckets[bisect.bisect_left(self.batch_buckets, b)]
+        graph, out = self.graphs.get((bucket, w)) or self._capture(bucket, w)
+        self.slots[:bucket].fill_(self.streams.pad_slot)
+        self.slots[:b].copy_(slots)
+        self.codes[:b, :w].copy_(codes)
+        graph.replay()
+        return out[:b]
+
+    def capture(self) -> int:
+        for b in self.batch_buckets:
+            for w in self.windows:
+                if (b, w) not in self.graphs:
+                    self._capture(b, w)
+        return len(self.graphs)
+
+    def _capture(self, bucket: int, w: int):
+        self.slots[:bucket].fill_(self.streams.pad_slot)    # capture touches only the spare slot's state
+        slots, codes = self.slots[:bucket], self.codes[:bucket, :w]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            self.streams.decode(slots, codes)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+            out = self.streams.decode(slots, codes)
+        self.graphs[(bucket, w)] = (graph, out)
+        return graph, out

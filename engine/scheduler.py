@@ -240,6 +240,8 @@ class Scheduler:
             self.runner.use_cuda_graphs()
         self.vocoder = StreamingVocoder(model.vocoder, max_batch, WindowPolicy(*window_frames),
                                         cfg.talker.num_code_groups, self._out_of_memory)
+        if self.runner.graphs is not None:
+            self.vocoder.use_cuda_graphs()
         self.samples_per_frame = cfg.samples_per_frame
         self._pad_id, self._eos_id = cfg.tts_pad_token_id, cfg.tts_eos_token_id
 
@@ -288,7 +290,8 @@ class Scheduler:
         if self.runner.graphs is None:
             return 0
         with torch.no_grad():
-            return self.runner.graphs.capture(max_live)
+            n = self.runner.graphs.capture(max_live)
+            return n + (self.vocoder.graphs.capture() if self.vocoder.graphs is not None else 0)
 
     def __enter__(self) -> "Scheduler":
         return self.start()

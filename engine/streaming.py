@@ -47,6 +47,12 @@ class StreamingVocoder:
                                    dtype=torch.long, device=device)
         self.count = np.zeros(max_streams, dtype=np.int64)     # frames waiting in `pending`
         self.decoded = np.zeros(max_streams, dtype=np.int64)   # frames already turned into audio
+        self.graphs = None                                       # engine.graphs.VocoderGraphs once enabled
+
+    def use_cuda_graphs(self) -> None:
+        """Replay the window decodes of the policy's two window sizes from CUDA graphs."""
+        from .graphs import VocoderGraphs
+        self.graphs = VocoderGraphs(self.streams, (self.policy.first, self.policy.rest))
 
     def start(self, slots: list[int], ref_codes: list[torch.Tensor | None]) -> None:
         """Fresh streams for new sessions; ICL ones are primed by decoding their reference codes."""
@@ -93,7 +99,8 @@ class StreamingVocoder:
 
     def _decode(self, idx: torch.Tensor, codes: torch.Tensor) -> np.ndarray:
         try:
-            return self.streams.decode(idx, codes).cpu().numpy()
+            decode = self.graphs.decode if self.graphs is not None else self.streams.decode
+            return decode(idx, codes).cpu().numpy()
         except torch.OutOfMemoryError:
             self.on_out_of_memory()
             b, w = codes.shape[:2]
