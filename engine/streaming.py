@@ -22,13 +22,31 @@ from .model.vocoder import VocoderStreams
 
 @dataclass(frozen=True)
 class WindowPolicy:
-    """Frames per vocoder window: `first` for a session's first audio, `rest` after that."""
+    """Frames per vocoder window: `first` for a session's first audio, then as many frames as have
+    been sent so far (the windows double: 2, 2, 4, 8 ...), capped at `rest`.
+
+    Doubling keeps playback fed from the start: when a window is due, the client holds as much
+    audio as the window is long, so a turn generated at real time or faster never runs dry, while
+    time to first audio stays that of a `first`-frame window.
+    """
     first: int = 2
     rest: int = 8
 
     def __post_init__(self):
         if self.first < 1 or self.rest < 1:
             raise ValueError(f"window sizes must be >= 1 frame, got {self.first}, {self.rest}")
+
+    def size(self, decoded):
+        """Window due after `decoded` frames (an int or an array of them)."""
+        return np.minimum(np.maximum(decoded, self.first), max(self.first, self.rest))
+
+    def sizes(self) -> list[int]:
+        """Every window size `size` gives (for CUDA graph capture)."""
+        out, decoded = [], 0
+        while not out or out[-1] < max(self.first, self.rest):
+            out.append(int(self.size(decoded)))
+            decoded += out[-1]
+        return sorted(set(out))
 
 
 class StreamingVocoder:
@@ -50,9 +68,9 @@ class StreamingVocoder:
         self.graphs = None                                       # engine.graphs.VocoderGraphs once enabled
 
     def use_cuda_graphs(self) -> None:
-        """Replay the window decodes of the policy's two window sizes from CUDA graphs."""
+        """Replay the window decodes of the policy's window sizes from CUDA graphs."""
         from .graphs import VocoderGraphs
-        self.graphs = VocoderGraphs(self.streams, (self.policy.first, self.policy.rest))
+        self.graphs = VocoderGraphs(self.streams, self.policy.sizes())
 
     def start(self, slots: list[int], ref_codes: list[torch.Tensor | None]) -> None:
         """Fresh streams for new sessions; ICL ones are primed by decoding their reference codes."""
@@ -77,7 +95,7 @@ class StreamingVocoder:
 
     def window(self, slots: np.ndarray) -> np.ndarray:
         """Window size now due for each slot."""
-        return np.where(self.decoded[slots] == 0, self.policy.first, self.policy.rest)
+        return self.policy.size(self.decoded[slots])
 
     def due(self, slots: np.ndarray, flush: np.ndarray) -> list[tuple[np.ndarray, int]]:
         """Groups (slots, frames) to decode now: full windows, and whatever the `flush` slots have

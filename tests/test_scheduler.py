@@ -17,6 +17,7 @@ import torch
 
 from engine.loader import load_model
 from engine.requests import AudioChunk, SamplingParams, SpeechRequest, TurnResult, VoicePrompt
+from engine.streaming import WindowPolicy
 from engine.scheduler import Overloaded, Scheduler
 
 SPF = 1920
@@ -85,7 +86,8 @@ def check_stream(chunks, result, window=(2, 8)):
         assert c.pcm.dtype == np.float32 and c.sample_offset == offset and c.frame_offset == offset // SPF
         frames = c.pcm.shape[0] // SPF
         assert c.pcm.shape[0] == frames * SPF and frames > 0
-        assert window is None or frames == (window[0] if i == 0 else window[1]) or i == len(chunks) - 1
+        expected = WindowPolicy(*window).size(c.frame_offset) if window else None   # 2, 2, 4, 8, 8 ...
+        assert window is None or frames == expected or i == len(chunks) - 1
         offset += c.pcm.shape[0]
     assert offset == result.samples == result.frames * SPF
 
