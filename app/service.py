@@ -152,7 +152,13 @@ class Service:
         log.info("loading %s on %s (%s)", model_dir, device, dtype)
         model = load_model(model_dir, device, dtype)
         max_batch, max_capacity = size_engine(model, s.max_batch)
-        return Scheduler(model, max_batch, max_capacity=max_capacity, max_queue=s.max_queue).start()
+        scheduler = Scheduler(model, max_batch, max_capacity=max_capacity, max_queue=s.max_queue)
+        if s.warmup:     # CUDA graphs are captured before the engine thread exists: nothing runs beside a capture
+            t0 = time.monotonic()
+            n = scheduler.warmup(WARMUP_KV_KEYS)
+            if n:
+                log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
+        return scheduler.start()
 
     def _demo_model(self) -> Path:
         """--demo: the tiny preset with random weights (seed 0), written to a temporary folder."""
@@ -160,9 +166,8 @@ class Service:
         return build_random_model("tiny", 0, Path(self._demo_dir.name) / "tiny")
 
     async def _warm_up(self) -> None:
-        """One short greedy turn through the whole path (prefill, decode, vocoder), then, on a GPU, the
-        decode step's CUDA graphs for every batch bucket, so that no session waits for a capture.
-        The engine thread is idle between the two (nothing else is admitted before ready)."""
+        """One short greedy turn through the whole path (prefill, decode, vocoder; on a GPU through the
+        CUDA graphs `_build` captured before starting the engine thread), so no session pays a first run."""
         request = SpeechRequest(WARMUP_TEXT, self.builtin_voice, sampling=SamplingParams(greedy=True), max_frames=4,
                                 request_id="warmup")
         result = None
@@ -170,10 +175,6 @@ class Service:
             result = item
         if result.reason == "error":
             raise RuntimeError(f"warm-up turn failed: {result.error}")
-        if self.scheduler.runner.graphs is not None:
-            t0 = time.monotonic()
-            n = await asyncio.to_thread(self.scheduler.warmup, WARMUP_KV_KEYS)
-            log.info("captured %d CUDA graphs in %.1f s", n, time.monotonic() - t0)
 
     async def stop(self) -> None:
         self.status = "draining" if self.status == "ok" else self.status
