@@ -36,7 +36,8 @@ def valid_voice_id(voice_id) -> bool:
 
 
 class VoiceStore:
-    """The voices of one folder, loaded into memory at start (they are small: a few KB each)."""
+    """The voices of one folder, loaded into memory at start (they are small: a few KB each); a voice
+    asked for and not in memory is read from its file, so one written by another server appears."""
 
     def __init__(self, root: Path | str, hidden_size: int):
         self.root = Path(root)
@@ -45,14 +46,11 @@ class VoiceStore:
 
     def load(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    def _scan(self) -> None:
         for path in sorted(self.root.glob("*" + SUFFIX)):
-            voice_id = path.name[: -len(SUFFIX)]
-            if not valid_voice_id(voice_id):
-                continue
-            try:
-                self.voices[voice_id] = self._read(path)
-            except Exception as e:  # a damaged or foreign file must not keep the server from starting
-                log.warning("skipping voice file %s: %s", path, e)
+            self._entry(path.name[: -len(SUFFIX)])
 
     def _read(self, path: Path) -> tuple[VoicePrompt, dict]:
         with safe_open(str(path), "pt") as f:
@@ -68,15 +66,31 @@ class VoiceStore:
             prompt = VoicePrompt(xvector)
         return prompt, info
 
-    def get(self, voice_id: str) -> Optional[VoicePrompt]:
+    def _entry(self, voice_id: str) -> Optional[tuple[VoicePrompt, dict]]:
+        """The voice from memory, else from its file: replicas sharing the folder see each other's voices."""
         entry = self.voices.get(voice_id)
+        if entry is not None or not valid_voice_id(voice_id):
+            return entry
+        path = self.root / (voice_id + SUFFIX)
+        if not path.is_file():
+            return None
+        try:
+            entry = self.voices[voice_id] = self._read(path)
+        except Exception as e:  # a damaged or foreign file must not keep the server from starting
+            log.warning("skipping voice file %s: %s", path, e)
+            return None
+        return entry
+
+    def get(self, voice_id: str) -> Optional[VoicePrompt]:
+        entry = self._entry(voice_id)
         return entry[0] if entry else None
 
     def info(self, voice_id: str) -> Optional[dict]:
-        entry = self.voices.get(voice_id)
+        entry = self._entry(voice_id)
         return dict(entry[1]) if entry else None
 
     def list(self) -> list[dict]:
+        self._scan()
         return [dict(info) for _, info in self.voices.values()]
 
     def new_id(self) -> str:
@@ -113,7 +127,7 @@ class VoiceStore:
         return dict(info)
 
     def delete(self, voice_id: str) -> bool:
-        if voice_id not in self.voices:
+        if self._entry(voice_id) is None:
             return False
         (self.root / (voice_id + SUFFIX)).unlink(missing_ok=True)
         self._sync_dir()
