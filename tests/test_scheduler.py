@@ -34,15 +34,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops on 2 contended cores run several times slower with 2 OpenMP threads than with 1."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     return load_model(tiny_model_dir)

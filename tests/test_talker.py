@@ -16,15 +16,6 @@ CASES = ["xvec_en", "icl_en", "batch3_xvec", "batch3_icl"]
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops: a second intra-op thread only adds sync cost on the shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def cfg(tiny_model_dir):
     return load_config(tiny_model_dir)

@@ -23,15 +23,6 @@ GOLDEN_TOL = 1e-4
 EXACT_TOL = 1e-5   # fp64 streaming vs unchunked: only the fp32 RoPE tables differ (~3e-6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops on 2 contended cores run ~50x slower with 2 OpenMP threads than with 1."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def tensors(tiny_model_dir):
     return read_safetensors(tiny_model_dir / "speech_tokenizer" / "model.safetensors")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import EncoderConfig
-from .layers import apply_rope, rope_cos_sin, rope_inv_freq
+from .layers import LayerScale, apply_rope, rope_cos_sin, rope_inv_freq
 
 DOWNSAMPLE = 2  # the 12 Hz codec halves Mimi's 25 Hz latent
 
@@ -102,15 +102,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
-
-
-class LayerScale(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
 
 
 class TransformerLayer(nn.Module):

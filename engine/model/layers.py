@@ -29,6 +29,17 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class LayerScale(nn.Module):
+    """Learned per-channel scale of a residual branch (the codec transformers)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), no biases."""
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DecoderConfig
-from .layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
+from .layers import LayerScale, RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
 from .kernels import snake_beta
 
 # Checkpoint tensors the decode path never reads (the RVQ input projections serve encoding only);
@@ -169,15 +169,6 @@ class SplitQuantizer(nn.Module):
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         return self.rvq_first(codes[..., :self.n_first]) + self.rvq_rest(codes[..., self.n_first:])
-
-
-class LayerScale(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
 
 
 class WindowAttention(nn.Module):
