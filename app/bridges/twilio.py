@@ -274,12 +274,17 @@ def create_app(config: BridgeConfig) -> Starlette:
             await call.say(params["text"])
         return call
 
-    async def say(request: Request) -> Response:
+    def call_of(request: Request):
+        """The call a /calls/{callSid}/... request names, or the error response to send instead."""
         if not authorized(request):
             return error(401, "unauthorized", "missing or wrong API key")
         call = calls.get(request.path_params["call_sid"])
-        if call is None:
-            return error(404, "call_not_found", "no stream is connected for this callSid")
+        return call if call is not None else error(404, "call_not_found", "no stream is connected for this callSid")
+
+    async def say(request: Request) -> Response:
+        call = call_of(request)
+        if isinstance(call, Response):
+            return call
         try:
             body = await request.json()
             text, turn_id, final = body.get("text", ""), body.get("turn_id"), bool(body.get("final", True))
@@ -296,11 +301,9 @@ def create_app(config: BridgeConfig) -> Starlette:
         return JSONResponse({"call_sid": call.call_sid, "turn_id": turn_id})
 
     async def clear(request: Request) -> Response:
-        if not authorized(request):
-            return error(401, "unauthorized", "missing or wrong API key")
-        call = calls.get(request.path_params["call_sid"])
-        if call is None:
-            return error(404, "call_not_found", "no stream is connected for this callSid")
+        call = call_of(request)
+        if isinstance(call, Response):
+            return call
         try:
             return JSONResponse({"call_sid": call.call_sid, "cancelled": await call.clear()})
         except ConnectionClosed:
