@@ -5,7 +5,8 @@
 
 The port opens at once; the model loads in the background (/health says "loading", /ready is 503)
 and the server is ready after a warm-up turn. A model that cannot be loaded stops the process with
-a non-zero status.
+a non-zero status. SIGTERM drains (`app.replicas.drain`): /ready 503, no new sessions or turns, turns
+in progress finish for up to --drain-timeout seconds, then the sessions left are closed with 1001.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from starlette.staticfiles import StaticFiles
 
 from . import rest, ws
 from .auth import ApiKeyMiddleware
+from .replicas.drain import DrainingServer
 from .errors import ApiError, error_response
 from .metrics import Metrics
 from .service import Service, Settings
@@ -57,6 +59,8 @@ OPTIONS = {
                           "audio bytes queued for one WebSocket before its client counts as too slow"),
     "max_sessions": ("--max-sessions", "MAX_SESSIONS", int, "most open WebSocket sessions"),
     "max_queue": ("--max-queue", "MAX_QUEUE", int, "most requests waiting for a batch slot (then 503)"),
+    "drain_timeout": ("--drain-timeout", "DRAIN_TIMEOUT", float,
+                      "on SIGTERM, seconds turns in progress may take to finish before sessions are closed (1001)"),
 }
 TRUE = ("1", "true", "yes", "on")
 
@@ -155,7 +159,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         failed.append(True)
         server.should_exit = True
 
-    server = uvicorn.Server(uvicorn_config(create_app(settings, on_fatal=on_fatal), settings))
+    app = create_app(settings, on_fatal=on_fatal)
+    svc: Service = app.state.service
+    server = DrainingServer(uvicorn_config(app, settings), svc.begin_drain, svc.open_sessions, settings.drain_timeout,
+                            end_sessions=svc.end_sessions)
     server.run()
     return 1 if failed else 0
 

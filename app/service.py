@@ -63,6 +63,7 @@ class Settings:
     send_buffer_bytes: int = 4 * 1024 * 1024    # audio queued for one WebSocket before it counts as too slow
     max_sessions: int = 1024
     max_queue: int = 1024
+    drain_timeout: float = 30.0                 # on SIGTERM, seconds open turns may take to finish
     warmup: bool = True
 
 
@@ -116,7 +117,9 @@ class Service:
         self.builtin_voice: Optional[VoicePrompt] = None
         self.sampling_defaults = SamplingParams()
         self.active = {"ws": 0, "rest": 0}
+        self.draining = asyncio.Event()    # SIGTERM: no new sessions or turns; open turns finish
         self.closing = asyncio.Event()     # set when the server stops: sessions end themselves
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
         self._voice_lock: Optional[asyncio.Lock] = None
         self._demo_dir: Optional[tempfile.TemporaryDirectory] = None
         metrics.watch(lambda: self.scheduler.stats().queued if self.scheduler else 0, self._gpu_memory)
@@ -124,6 +127,7 @@ class Service:
     # -- life cycle --------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         try:
             if self.scheduler is None:
                 self.scheduler = await asyncio.to_thread(self._build)
@@ -135,7 +139,7 @@ class Service:
             self.builtin_voice = await asyncio.to_thread(self.model.make_voice, wav, sr)
             if self.settings.warmup:
                 await self._warm_up()
-            self.status = "ok"
+            self.status = "draining" if self.draining.is_set() else "ok"    # SIGTERM while loading
             log.info("ready: %s on %s (%s), max_batch %d", self.model_name, self.model.device, self.model.dtype,
                      self.scheduler.max_batch)
         except Exception as e:
@@ -176,9 +180,28 @@ class Service:
         if result.reason == "error":
             raise RuntimeError(f"warm-up turn failed: {result.error}")
 
-    async def stop(self) -> None:
+    def begin_drain(self) -> None:
+        """SIGTERM (called from the signal handler): /ready 503, new sessions and turns refused, turns
+        in progress go on; a session closes (1001) once its turns are done."""
+        if self.loop is None:
+            self._drain()
+        else:
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
         self.status = "draining" if self.status == "ok" else self.status
+        self.draining.set()
+
+    def end_sessions(self) -> None:
+        """The drain deadline: every open session is closed now (fatal.shutting_down, 1001)."""
+        self._drain()
         self.closing.set()
+
+    def open_sessions(self) -> int:
+        return self.active["ws"] + self.active["rest"]
+
+    async def stop(self) -> None:
+        self.end_sessions()
         if self.scheduler is not None and self.owns_scheduler:
             await asyncio.to_thread(self.scheduler.stop, 10.0)
         if self._demo_dir is not None:

@@ -42,6 +42,7 @@ log = logging.getLogger("qwen3_tts.ws")
 MAX_TURN_ID = 128
 FINISHED_TURNS_KEPT = 1024
 CLOSE_GRACE_S = 5.0     # a stuck client gets this long to take the final error and close
+DRAIN_POLL_S = 0.05     # while the server drains, how often a session checks whether its turns are done
 # close codes: 1000 normal (idle timeout), 1001 going away (server stops), 1008 policy (slow reader),
 # 1011 internal error
 CLOSE_NORMAL, CLOSE_GOING_AWAY, CLOSE_POLICY, CLOSE_INTERNAL = 1000, 1001, 1008, 1011
@@ -199,6 +200,9 @@ class Session:
             return turn
         elif turn_id in self.finished:
             raise ApiError(400, "turn_closed", f"turn {turn_id!r} is done; use a new turn_id")
+        if self.svc.draining.is_set():
+            raise ApiError(503, "shutting_down", "the server is shutting down: no new turns; turns already "
+                           "started are finished", retry_after=1.0)
         turn = Turn(turn_id, self.settings)
         self.live[turn_id] = turn
         self.pending.append(turn)
@@ -314,11 +318,19 @@ class Session:
         receive = asyncio.ensure_future(self.ws.receive())
         stopped = asyncio.ensure_future(self.stop.wait())
         server_closing = asyncio.ensure_future(self.svc.closing.wait())
+        draining = asyncio.ensure_future(self.svc.draining.wait())
         try:
             while True:
                 timeout = self.last_activity + self.limits.idle_timeout_s - time.monotonic()
-                await asyncio.wait({receive, stopped, server_closing}, timeout=max(0.0, timeout),
-                                   return_when=asyncio.FIRST_COMPLETED)
+                waits = {receive, stopped, server_closing}
+                if not draining.done():
+                    waits.add(draining)
+                elif not self.live and not self.out:    # its turns are done and sent: close it
+                    self.fatal("fatal.shutting_down", "the server is shutting down", CLOSE_GOING_AWAY)
+                    return
+                else:
+                    timeout = min(timeout, DRAIN_POLL_S)
+                await asyncio.wait(waits, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
                 if stopped.done():
                     return
                 if server_closing.done():
@@ -339,7 +351,7 @@ class Session:
                 await self.handle(message)
                 receive = asyncio.ensure_future(self.ws.receive())
         finally:
-            for task in (receive, stopped, server_closing):
+            for task in (receive, stopped, server_closing, draining):
                 task.cancel()
 
     def parse(self, message: dict) -> dict:
@@ -379,7 +391,11 @@ class Session:
                 raise ApiError(400, "unknown_type", f"unknown message type {kind!r}; expected session.update, text, "
                                                     "turn.end, cancel or ping")
         except ApiError as e:
-            self.error(e.code, e.message, turn_id)
+            extra = {"retry_after_ms": int(e.retry_after * 1000)} if e.retry_after else {}
+            self.error(e.code, e.message, turn_id, **extra)
+        except Exception:       # a bug: end this session, keep the server
+            log.exception("session %s failed on a message", self.id)
+            self.fatal("fatal.internal", "internal error; the session is closed", CLOSE_INTERNAL)
 
     def on_text(self, msg: dict, turn_id: Optional[str]) -> None:
         text = msg.get("text", "")

@@ -24,8 +24,9 @@ def free_port() -> int:
 
 @contextmanager
 def subprocess_service(args: list[str], ready_url: str, timeout_s: float = 120.0,
-                       headers: Optional[dict] = None) -> Iterator[None]:
-    """Starts `args`, waits until `ready_url` answers 200, stops it at the end; its log is shown on failure."""
+                       headers: Optional[dict] = None) -> Iterator[subprocess.Popen]:
+    """Starts `args`, waits until `ready_url` answers 200, yields the process, stops it at the end; its
+    log is shown on failure."""
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
@@ -45,7 +46,7 @@ def subprocess_service(args: list[str], ready_url: str, timeout_s: float = 120.0
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{ready_url} not ready after {timeout_s:.0f} s:\n{output()}")
                 time.sleep(0.2)
-            yield
+            yield proc
         finally:
             proc.terminate()
             try:
