@@ -94,7 +94,7 @@ class AudioFormat:
     frame_ms: Optional[int] = None
 
     def __post_init__(self):
-        if self.encoding not in BYTES_PER_SAMPLE:
+        if not isinstance(self.encoding, str) or self.encoding not in BYTES_PER_SAMPLE:
             raise FormatError(f"encoding must be one of {', '.join(BYTES_PER_SAMPLE)}, got {self.encoding!r}")
         check_rate(self.sample_rate)
         if self.frame_ms is not None:
@@ -174,7 +174,7 @@ OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 
 
 def check_container(response_format, sample_rate) -> None:
-    if response_format not in CONTAINERS:
+    if not isinstance(response_format, str) or response_format not in CONTAINERS:
         raise FormatError(f"response_format must be one of {', '.join(CONTAINERS)}, got {response_format!r}")
     check_rate(sample_rate)
     if response_format == "opus" and sample_rate not in OPUS_RATES:

@@ -43,7 +43,7 @@ async def read_json(request: Request, limit: int) -> dict:
         raise ApiError(400, "invalid_request", "the client went away while sending the body") from None
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):     # RecursionError: nested too deep ("[[[[...")
         raise bad_request("the body must be a JSON object", "invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object", "invalid_json")
