@@ -2,11 +2,16 @@
 
 The key comes as `Authorization: Bearer <key>`, or `?api_key=<key>` (browsers cannot set headers on
 a WebSocket). A page opened with `?api_key=` also gets the key as an HttpOnly cookie, so the files it
-loads next (scripts, the worklet) pass too. Keys are compared in constant time.
+loads next (scripts, the worklet) pass too. Keys are compared in constant time (SHA-256 digests, so
+not even the key's length shows). HTTP without the key gets 401; a WebSocket is accepted only to be
+told why (`fatal.unauthorized`) and closed with 1008, which browsers, unlike a refused handshake, can
+show.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
+import json
 import re
 from http.cookies import SimpleCookie
 from typing import Optional
@@ -19,6 +24,8 @@ from .errors import ApiError, error_response
 OPEN_PATHS = frozenset({"/health"})
 COOKIE = "qwen3_tts_api_key"
 COOKIE_SAFE = re.compile(r"[A-Za-z0-9._~+/=-]+")
+CLOSE_POLICY = 1008
+MESSAGE = "missing or wrong API key: send 'Authorization: Bearer <key>' (WebSocket: or ?api_key=<key>)"
 
 
 def _presented(scope: Scope) -> tuple[Optional[str], bool]:
@@ -40,21 +47,22 @@ def _presented(scope: Scope) -> tuple[Optional[str], bool]:
 class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self.key = api_key.encode()
+        self.digest = hashlib.sha256(api_key.encode()).digest()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         key, from_query = _presented(scope)
-        if key is None or not hmac.compare_digest(key.encode(), self.key):
-            response = error_response(ApiError(401, "unauthorized", "missing or wrong API key: send "
-                                               "'Authorization: Bearer <key>' (WebSocket: or ?api_key=<key>)"))
-            if scope["type"] == "websocket":   # refuse the handshake with the same JSON answer
-                await send({"type": "websocket.http.response.start", "status": response.status_code,
-                            "headers": response.raw_headers})
-                await send({"type": "websocket.http.response.body", "body": response.body})
+        presented = hashlib.sha256((key or "").encode()).digest()
+        if not hmac.compare_digest(presented, self.digest) or key is None:
+            if scope["type"] == "websocket":
+                await receive()                 # websocket.connect
+                await send({"type": "websocket.accept"})
+                await send({"type": "websocket.send", "text": json.dumps(
+                    {"type": "error", "code": "fatal.unauthorized", "message": MESSAGE, "fatal": True})})
+                await send({"type": "websocket.close", "code": CLOSE_POLICY, "reason": "unauthorized"})
                 return
-            return await response(scope, receive, send)
+            return await error_response(ApiError(401, "unauthorized", MESSAGE))(scope, receive, send)
         if not (from_query and scope["type"] == "http" and COOKIE_SAFE.fullmatch(key)):
             return await self.app(scope, receive, send)
         cookie = f"{COOKIE}={key}; Path=/; HttpOnly; SameSite=Strict".encode("latin-1")

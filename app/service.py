@@ -262,6 +262,9 @@ class Service:
                 prompt = await asyncio.to_thread(self.model.make_voice, wav, TARGET_RATE, ref_text, x_vector_only)
             except ValueError as e:
                 raise ApiError(400, "invalid_request", str(e)) from None
+        if not torch.isfinite(prompt.xvector).all():    # e.g. float samples of 1e30: no usable voice
+            raise ApiError(422, "invalid_audio", "the reference audio gives no usable voice (are its samples "
+                                                 "within [-1, 1]?)")
         return prompt, wav.shape[0] / TARGET_RATE
 
     def max_frames(self, requested: Optional[int]) -> Optional[int]:

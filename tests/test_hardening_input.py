@@ -264,3 +264,124 @@ def test_every_websocket_field_with_every_type(server, binary):
                 message = with_field(base, field, value)
                 frames.append(msgpack.packb(message, use_bin_type=True) if binary else json.dumps(message))
     check_ws(asyncio.run(exchange(server, frames, binary)))
+
+
+# -- broken audio uploads --------------------------------------------------------------------------
+
+def audio_file(samples, rate, subtype="PCM_16", fmt="WAV") -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+def corpus() -> dict:
+    """name -> (file bytes, REST status, code); a status of 200 means the upload is a usable voice."""
+    rng = np.random.default_rng(0)
+    speech_like = audio_file((0.2 * rng.standard_normal(3 * 16000)).astype(np.float32), 16000)
+    floats = (0.2 * rng.standard_normal(16000)).astype(np.float32)
+    nan, inf = floats.copy(), floats.copy()
+    nan[100], inf[200] = np.nan, np.inf
+    return {
+        "empty": (b"", 400, "invalid_request"),
+        "truncated_header": (speech_like[:30], 422, "invalid_audio"),
+        "truncated_data": (speech_like[: len(speech_like) // 3], 200, None),   # the audio it holds is used
+        "wrong_magic": (b"XXXX" + speech_like[4:], 422, "invalid_audio"),
+        "wrong_format_tag": (speech_like[:8] + b"WAVX" + speech_like[12:], 422, "invalid_audio"),
+        "zero_samples": (audio_file(np.zeros(0, np.float32), 16000), 422, "invalid_audio"),
+        "too_short": (audio_file(np.zeros(80, np.float32), 8000), 422, "invalid_audio"),
+        "nan_floats": (audio_file(nan, 16000, "FLOAT"), 422, "invalid_audio"),
+        "inf_floats": (audio_file(inf, 16000, "FLOAT"), 422, "invalid_audio"),
+        "huge_floats": (audio_file(floats * 1e30, 16000, "FLOAT"), 422, "invalid_audio"),
+        "stereo_96k": (audio_file((0.2 * rng.standard_normal((96000, 2))).astype(np.float32), 96000), 200, None),
+        "ten_minutes": (audio_file(np.zeros(600 * 8000, np.float32), 8000, fmt="FLAC"), 413, "audio_too_long"),
+        "over_max_ref_bytes": (audio_file(np.zeros(320_000, np.float32), 16000), 413, "audio_too_large"),
+        "png": (b"\x89PNG\r\n\x1a\n" + rng.bytes(2000), 422, "invalid_audio"),
+        "text": (b"This is not audio at all, just a sentence." * 20, 422, "invalid_audio"),
+        "html": (b"<!doctype html><html><body>audio?</body></html>", 422, "invalid_audio"),
+    }
+
+
+def expected_sine(frames: int) -> bytes:
+    """The test double's audio for one turn, as pcm_s16le."""
+    pcm = (0.5 * np.sin(np.arange(frames * 1920) * 0.05)).astype(np.float32)
+    return np.rint(np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+async def canary(srv, stop: asyncio.Event) -> list:
+    """A session that speaks turn after turn while the uploads go on: each turn's audio, exactly."""
+    results = []
+    async with websockets.connect(srv.ws_url, max_size=None) as ws:
+        await ws.recv()
+        while not stop.is_set() or len(results) < 3:
+            tid = f"c{len(results)}"
+            await ws.send(json.dumps({"type": "text", "turn_id": tid, "text": "Canary.", "final": True}))
+            audio, events = b"", []
+            while not events or events[-1]["type"] != "turn.done":
+                msg = await asyncio.wait_for(ws.recv(), 20)
+                if isinstance(msg, bytes):
+                    audio += msg
+                else:
+                    events.append(json.loads(msg))
+            results.append((audio, events))
+    return results
+
+
+def test_broken_audio_uploads(server):
+    items = corpus()
+    huge = base64.b64encode(b"\x00" * MAX_BODY).decode()          # the body is over the limit: 413 / 1009
+
+    async def upload_all():
+        answers = {}
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            for name, (data, _, _) in items.items():
+                b64 = base64.b64encode(data).decode()
+                voice = await http.post("/v1/voices", json={"audio": b64})
+                speech = await http.post(SPEECH, json={"input": "Hi.", "ref_audio": b64, "max_frames": 2})
+                async with websockets.connect(server.ws_url, max_size=None) as ws:
+                    await ws.recv()
+                    await ws.send(json.dumps({"type": "session.update", "ref_audio": b64}))
+                    event = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                answers[name] = voice, speech, event
+            answers["huge_base64"] = (await http.post("/v1/voices", json={"audio": huge}),
+                                      await http.post(SPEECH, json={"input": "Hi.", "ref_audio": huge}))
+        async with websockets.connect(server.ws_url, max_size=None) as ws:
+            await ws.recv()
+            await ws.send(json.dumps({"type": "session.update", "ref_audio": huge}))
+            with pytest.raises(ConnectionClosed) as closed:
+                await asyncio.wait_for(ws.recv(), 10)
+        return answers, closed.value.rcvd.code
+
+    async def go():
+        stop = asyncio.Event()
+        speaking = asyncio.ensure_future(canary(server, stop))
+        try:
+            answers = await upload_all()
+        finally:
+            stop.set()
+        return answers, await asyncio.wait_for(speaking, 30)
+    ((answers, huge_ws_close), canary_turns) = asyncio.run(go())
+
+    for name, (data, status, code) in items.items():
+        voice, speech, event = answers[name]
+        check_rest(voice)
+        check_rest(speech)
+        assert voice.status_code == status and speech.status_code == status, (name, voice.text, speech.text)
+        if status == 200:
+            assert voice.json()["mode"] == "x_vector" and voice.json()["duration_s"] > 0.1, name
+            assert speech.headers["content-type"] == "audio/wav", name
+            assert event["type"] == "session.updated", (name, event)
+        else:
+            assert voice.json()["error"]["code"] == speech.json()["error"]["code"] == code, name
+            assert event["type"] == "error" and event["code"] == code and event["fatal"] is False, (name, event)
+    for r in answers["huge_base64"]:
+        assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+    assert huge_ws_close == 1009
+
+    # the session speaking meanwhile got every turn complete and exact
+    assert len(canary_turns) >= 3
+    for audio, events in canary_turns:
+        assert [e["type"] for e in events] == ["turn.started", "turn.done"], events
+        assert events[-1]["samples"] == FRAMES * 1920 and audio == expected_sine(FRAMES)
+    # nothing broken was registered
+    voices = httpx.get(server.url + "/v1/voices").json()["data"]
+    assert len(voices) == sum(1 for _, status, _ in items.values() if status == 200)

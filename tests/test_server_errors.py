@@ -337,13 +337,14 @@ def test_api_key(model, tmp_path):
 
         async def ws(url, headers=None):
             async with websockets.connect(url, additional_headers=headers) as conn:
-                return json.loads(await conn.recv())["type"]
-        with pytest.raises(InvalidStatus) as refused:
-            asyncio.run(ws(srv.ws_url))
-        assert refused.value.response.status_code == 401
-        assert json.loads(refused.value.response.body)["error"]["code"] == "unauthorized"
-        with pytest.raises(InvalidStatus):
-            asyncio.run(ws(srv.ws_url + "?api_key=nope"))
+                first = json.loads(await conn.recv())
+                if first["type"] == "error":    # refused: told why, then closed with 1008
+                    with pytest.raises(ConnectionClosed) as closed:
+                        await conn.recv()
+                    return first["code"], closed.value.rcvd.code
+                return first["type"]
+        assert asyncio.run(ws(srv.ws_url)) == ("fatal.unauthorized", 1008)
+        assert asyncio.run(ws(srv.ws_url + "?api_key=nope")) == ("fatal.unauthorized", 1008)
         assert asyncio.run(ws(srv.ws_url + "?api_key=s3cret")) == "session.created"
         assert asyncio.run(ws(srv.ws_url, {"Authorization": "Bearer s3cret"})) == "session.created"
         assert_healthy(srv)
