@@ -215,7 +215,8 @@ class Scheduler:
         longest turn the model allows, max_new_tokens + prefill_chunk). Memory is max_batch x
         capacity x (layers x 2 x kv_heads x head_dim) elements. The default initial capacity is a given
         max_capacity on CUDA (growing would drop the captured CUDA graphs), else min(512, max_capacity).
-        max_queue: sessions waiting for admission before `submit` raises `Overloaded`.
+        max_queue: sessions waiting for a slot (submitted, not yet admitted, beyond the free slots)
+        before `submit` raises `Overloaded`.
         prefill_chunk / prefill_budget: prompt positions per row / in all, per iteration.
         frames_per_token, frame_margin: the frame estimate of a turn, to size the cache at admission.
         keep_codes: put each turn's codes [frames, 16] in its TurnResult (tests, CLI).
@@ -323,7 +324,8 @@ class Scheduler:
         with self._lock:
             if self._stopped:
                 raise RuntimeError("the scheduler is stopped")
-            if self._queued >= self.max_queue:
+            # submitted and not yet admitted, beyond the free slots they are about to take
+            if self._queued - len(self._free) >= self.max_queue:
                 raise Overloaded(f"{self._queued} requests are already waiting")
             self._queued += 1
             self._send(("submit", session))

@@ -309,8 +309,8 @@ def test_async_iteration_and_limits(model, voices):
     assert h.id
 
     idle = Scheduler(model, 1, max_queue=2)      # not started: submissions just queue
-    idle.submit(request(voices, "xvec_en"))
-    idle.submit(request(voices, "xvec_en"))
+    for _ in range(3):                           # one for the free slot, two waiting
+        idle.submit(request(voices, "xvec_en"))
     with pytest.raises(Overloaded):
         idle.submit(request(voices, "xvec_en"))
     with pytest.raises(ValueError):
