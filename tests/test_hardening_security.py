@@ -8,16 +8,20 @@ Protocol tests: the tiny model with the scheduler test double of server_harness.
 import asyncio
 import hmac
 import json
+import os
 import select
 import shutil
 import socket
+import subprocess
 import time
 import urllib.parse
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 import websockets
+import yaml
 from starlette.routing import Mount, Route, WebSocketRoute
 from websockets.exceptions import ConnectionClosed
 
@@ -30,6 +34,7 @@ from engine.loader import load_model
 from server_harness import FakeScheduler, ServerThread, ref_wav_b64
 
 KEY = "k3y-for-tests"
+REPO = Path(__file__).resolve().parents[1]
 MAX_BODY = 1 << 20
 
 
@@ -223,3 +228,23 @@ def test_bodies_and_messages_are_capped_before_parsing(server, monkeypatch):
     r = httpx.post(server.url + "/v1/audio/speech", headers={"Authorization": "Bearer " + KEY},
                    json={"input": "Small.", "max_frames": 1})
     assert r.status_code == 200 and parsed     # (the spy does see what is parsed)
+
+
+def test_the_kubernetes_readiness_probe_sends_the_key(server):
+    """deploy/k8s probes /ready with the key from the pod's environment (an httpGet probe would get 401)."""
+    deployment = next(d for d in yaml.safe_load_all((REPO / "deploy" / "k8s" / "deployment.yaml").read_text())
+                      if d and d["kind"] == "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    command = container["readinessProbe"]["exec"]["command"]
+    assert "httpGet" not in container["readinessProbe"]
+
+    def probe(**env):
+        return subprocess.run(command, env={"PATH": os.environ["PATH"], "PORT": str(server.settings.port), **env},
+                              capture_output=True, timeout=30).returncode
+    assert probe(API_KEY=KEY) == 0
+    assert probe(API_KEY="wrong") != 0 and probe() != 0
+    server.service.status = "draining"          # /ready 503: the pod leaves the Service
+    try:
+        assert probe(API_KEY=KEY) != 0
+    finally:
+        server.service.status = "ok"

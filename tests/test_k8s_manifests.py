@@ -94,7 +94,7 @@ def test_the_schemas_reject_mistakes(objects):
     d["spec"]["template"]["spec"]["terminationGracePeriod"] = 75
     mistakes.append(d)
     d = copy.deepcopy(deployment)
-    d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] = 7
+    d["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["path"] = 7
     mistakes.append(d)
     s = copy.deepcopy(scaled)
     del s["spec"]["triggers"][0]["metadata"]["threshold"]
@@ -145,7 +145,8 @@ def test_replica_pods_serve_probe_and_drain_as_the_server_does(objects):
     (port,) = container["ports"]
     assert port["name"] == "http" and port["containerPort"] == int(env["PORT"]) and env["HOST"] == "0.0.0.0"
 
-    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    ready = container["readinessProbe"]["exec"]["command"]    # with the API key: tests/test_hardening_security.py
+    assert ready[:2] == ["python3", "-c"] and "/ready" in ready[2] and "API_KEY" in ready[2] and "PORT" in ready[2]
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert container["startupProbe"]["httpGet"]["path"] == "/health"
     startup = container["startupProbe"]
