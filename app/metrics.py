@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 PREFIX = "qwen3_tts_"
 
@@ -14,6 +14,7 @@ class Metrics:
 
     def __init__(self):
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)    # process_resident_memory_bytes, process_open_fds, ...: leaks show (bench/soak.py)
         self.requests = Counter(PREFIX + "requests", "Requests by route and outcome", ["route", "outcome"], registry=r)
         self.active_sessions = Gauge(PREFIX + "active_sessions", "Open WebSocket sessions and REST syntheses",
                                      ["route"], registry=r)
