@@ -17,7 +17,8 @@ Each iteration of the engine loop:
   4. one decode step (`ModelRunner.step`) for every slot that has its next text: the model eats one
      text token per frame, so a session whose text has not arrived yet sits the step out with its
      state intact, and one past its text feeds tts_eos then tts_pad;
-  5. the streaming vocoder decodes, batched, the windows that are due (`engine.streaming`);
+  5. the streaming vocoder decodes, batched, the windows that are due (`engine.streaming`: they grow
+     while the listener holds enough audio, judged from the recent time per step);
   6. finished sessions (EOS, frame limit) get their last audio and result, and their slots are free.
 
 Sampling is batch-invariant (`engine.sampling`): a request with a seed gives the same codes alone or
@@ -54,6 +55,7 @@ from .streaming import StreamingVocoder, WindowPolicy, release_cached_memory
 log = logging.getLogger(__name__)
 
 FREE, PREFILL, DECODE = 0, 1, 2     # what a slot is doing
+STEP_TIME_SMOOTHING = 0.3           # weight of the newest step in the step-time average (vocoder windows)
 
 
 class Overloaded(RuntimeError):
@@ -240,7 +242,8 @@ class Scheduler:
         if cuda_graphs and torch.device(self.device).type == "cuda":
             self.runner.use_cuda_graphs()
         self.vocoder = StreamingVocoder(model.vocoder, max_batch, WindowPolicy(*window_frames),
-                                        cfg.talker.num_code_groups, self._out_of_memory)
+                                        cfg.samples_per_frame / cfg.sample_rate, cfg.talker.num_code_groups,
+                                        self._out_of_memory)
         if self.runner.graphs is not None:
             self.vocoder.use_cuda_graphs()
         self.samples_per_frame = cfg.samples_per_frame
@@ -266,6 +269,7 @@ class Scheduler:
         self._grow_failures = 0
         self._steps = self._frames_total = self._ooms = self._text_waits = 0
         self._last_step_ms, self._last_batch, self._last_sat_out = 0.0, 0, 0
+        self._step_s = cfg.samples_per_frame / cfg.sample_rate   # recent seconds per step (starts at real time)
 
     # -- public API (any thread) -------------------------------------------------------------------
 
@@ -423,8 +427,10 @@ class Scheduler:
         for s in ended or []:
             self._close(s, s.reason)
         if ended is not None:
+            dt = time.perf_counter() - t0
+            self._step_s += STEP_TIME_SMOOTHING * (dt - self._step_s)
             with self._lock:
-                self._last_step_ms = (time.perf_counter() - t0) * 1000
+                self._last_step_ms = dt * 1000
 
     # -- admission and prefill ---------------------------------------------------------------------
 
@@ -615,7 +621,7 @@ class Scheduler:
         flush = decode & (self._trail_pos >= self._trail_len) & ~self._text_done
         flush[[s.slot for s in ended]] = True
         slots = np.flatnonzero(decode)
-        for group, frames in self.vocoder.due(slots, flush[slots]):
+        for group, frames in self.vocoder.due(slots, flush[slots], self._step_s):
             wav = self.vocoder.decode(group, frames)
             for slot, pcm in zip(group, wav):
                 self._emit(self._by_slot[slot], pcm)

@@ -1,8 +1,8 @@
 """Streaming vocoder windows for the scheduler: which sessions' audio is due, decoded in batches.
 
-Each slot's generated frames wait in a slot-indexed device buffer until its window is full: a small
-first window (time to first audio), larger ones after (fewer, fatter vocoder calls). A finishing
-session, or one that must wait for text, flushes what it has. Sessions due with the same window size are decoded in one batched
+Each slot's generated frames wait in a slot-indexed device buffer until its window closes: a small
+first window (time to first audio), then larger ones as far as the listener's buffered audio allows
+(`WindowPolicy`). A finishing session, or one that must wait for text, flushes what it has. Sessions due with the same window size are decoded in one batched
 `VocoderStreams.decode`, whose stateful causal decoder makes the concatenated windows equal to one
 decode of all the frames. An ICL session's stream is primed with its reference codes, so its audio
 equals decoding `ref_codes ++ codes` and dropping the first `T_ref * 1920` samples.
@@ -12,6 +12,7 @@ state carries over, so the audio is the same).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,12 +23,16 @@ from .model.vocoder import VocoderStreams
 
 @dataclass(frozen=True)
 class WindowPolicy:
-    """Frames per vocoder window: `first` for a session's first audio, then as many frames as have
-    been sent so far (the windows double: 2, 2, 4, 8 ...), capped at `rest`.
+    """When a session's pending frames become a vocoder window.
 
-    Doubling keeps playback fed from the start: when a window is due, the client holds as much
-    audio as the window is long, so a turn generated at real time or faster never runs dry, while
-    time to first audio stays that of a `first`-frame window.
+    The first window has `first` frames (time to first audio). After it, a window closes at one of
+    the sizes `first`, 2 x `first`, 4 x `first` ... `rest` (a few fixed sizes, each with its CUDA
+    graphs): at `rest`, or earlier when waiting for the next size could let the listener run dry.
+    The listener holds the audio sent so far less the time since its first chunk (`held_s`); waiting
+    for the next size takes its missing frames at `step_s` each, plus one frame for the decode and
+    the way out. So windows grow to `rest` (fewer, fatter vocoder calls) while generation is well
+    ahead of real time and stay small near it: frames made at least as fast as they play never
+    leave playback empty.
     """
     first: int = 2
     rest: int = 8
@@ -36,26 +41,32 @@ class WindowPolicy:
         if self.first < 1 or self.rest < 1:
             raise ValueError(f"window sizes must be >= 1 frame, got {self.first}, {self.rest}")
 
-    def size(self, decoded):
-        """Window due after `decoded` frames (an int or an array of them)."""
-        return np.minimum(np.maximum(decoded, self.first), max(self.first, self.rest))
-
     def sizes(self) -> list[int]:
-        """Every window size `size` gives (for CUDA graph capture)."""
-        out, decoded = [], 0
-        while not out or out[-1] < max(self.first, self.rest):
-            out.append(int(self.size(decoded)))
-            decoded += out[-1]
-        return sorted(set(out))
+        """The window sizes a window closes at (for CUDA graph capture)."""
+        top, out = max(self.first, self.rest), [self.first]
+        while out[-1] < top:
+            out.append(min(2 * out[-1], top))
+        return out
+
+    def due(self, pending: np.ndarray, decoded: np.ndarray, held_s: np.ndarray, step_s: float) -> np.ndarray:
+        """Whether each session's `pending` frames make a window now, given the frames already
+        `decoded` into audio, the seconds of audio its listener still holds and the seconds one
+        frame takes to make."""
+        sizes = np.asarray(self.sizes())
+        nxt = sizes[np.minimum(np.searchsorted(sizes, pending, side="right"), len(sizes) - 1)]
+        at_size = np.isin(pending, sizes)
+        running_dry = held_s < (nxt - pending + 1) * step_s
+        return np.where(decoded == 0, pending >= self.first, (pending >= sizes[-1]) | (at_size & running_dry))
 
 
 class StreamingVocoder:
     """Per-slot pending frames and stream state for up to `max_streams` slots."""
 
-    def __init__(self, vocoder, max_streams: int, policy: WindowPolicy, num_codebooks: int = 16,
-                 on_out_of_memory=None):
-        """on_out_of_memory(): called on each device out-of-memory error before the work is split
-        (default: release the allocator's cached blocks)."""
+    def __init__(self, vocoder, max_streams: int, policy: WindowPolicy, frame_audio_s: float,
+                 num_codebooks: int = 16, on_out_of_memory=None):
+        """frame_audio_s: seconds of audio in one frame. on_out_of_memory(): called on each device
+        out-of-memory error before the work is split (default: release the allocator's cached blocks)."""
+        self.frame_audio_s = frame_audio_s
         self.on_out_of_memory = on_out_of_memory or release_cached_memory
         self.streams = VocoderStreams(vocoder, max_streams)
         self.policy = policy
@@ -65,6 +76,7 @@ class StreamingVocoder:
                                    dtype=torch.long, device=device)
         self.count = np.zeros(max_streams, dtype=np.int64)     # frames waiting in `pending`
         self.decoded = np.zeros(max_streams, dtype=np.int64)   # frames already turned into audio
+        self.started = np.zeros(max_streams)                   # time.monotonic() of the first audio
         self.graphs = None                                       # engine.graphs.VocoderGraphs once enabled
 
     def use_cuda_graphs(self) -> None:
@@ -93,15 +105,16 @@ class StreamingVocoder:
         self.pending[idx, self._index(self.count[rows])] = frames[idx]
         self.count[rows] += 1
 
-    def window(self, slots: np.ndarray) -> np.ndarray:
-        """Window size now due for each slot."""
-        return self.policy.size(self.decoded[slots])
+    def held_s(self, slots: np.ndarray) -> np.ndarray:
+        """Seconds of audio each slot's listener still holds, playing from its first chunk on."""
+        return self.decoded[slots] * self.frame_audio_s - (time.monotonic() - self.started[slots])
 
-    def due(self, slots: np.ndarray, flush: np.ndarray) -> list[tuple[np.ndarray, int]]:
-        """Groups (slots, frames) to decode now: full windows, and whatever the `flush` slots have
-        (a session that ended, or one that has to wait)."""
-        full = self.count[slots] >= self.window(slots)
-        ready = slots[full | (flush & (self.count[slots] > 0))]
+    def due(self, slots: np.ndarray, flush: np.ndarray, step_s: float) -> list[tuple[np.ndarray, int]]:
+        """Groups (slots, frames) to decode now: windows the policy closes (a frame taking `step_s`
+        to make), and whatever the `flush` slots have (a session that ended, or one that has to wait)."""
+        count = self.count[slots]
+        full = self.policy.due(count, self.decoded[slots], self.held_s(slots), step_s)
+        ready = slots[full | (flush & (count > 0))]
         counts = self.count[ready]
         return [(ready[counts == w], int(w)) for w in np.unique(counts)]
 
@@ -111,6 +124,7 @@ class StreamingVocoder:
         `frames` must equal the pending count of every slot in `slots` (as `due` groups them).
         """
         wav = self._decode(self._index(slots), self.pending[self._index(slots), :frames])
+        self.started[slots] = np.where(self.decoded[slots] == 0, time.monotonic(), self.started[slots])
         self.count[slots] = 0
         self.decoded[slots] += frames
         return wav

@@ -19,6 +19,7 @@ from websockets.exceptions import InvalidStatus
 
 from app.service import Settings
 from server_harness import ServerThread, next_event, ref_wav_b64
+from tts_server import tts_server
 
 RATE = 24000
 FLOOD_FRAMES = 80       # 6.4 s of audio per admitted turn, ~3 s to make on the CPU
@@ -71,25 +72,31 @@ async def turn(ws, tid, text):
 
 # -- admission control ---------------------------------------------------------------------------------
 
+async def wait_for_health(client, key, at_least):
+    while (await client.get("/health")).json().get(key, 0) < at_least:
+        await asyncio.sleep(0.005)
+
+
 def test_admission_control_refuses_at_once_and_admitted_work_keeps_real_time(tiny_model_dir, tmp_path):
-    settings = Settings(model_dir=str(tiny_model_dir), device="cpu", max_batch=2, max_queue=1, max_sessions=4,
-                        voices_dir=str(tmp_path))
-    update = {"sampling": {"temperature": 0}, "max_frames": FLOOD_FRAMES, "format": {"encoding": "f32le"}}
-    with ServerThread(settings) as srv:
+    # The server is a process of its own, as in production: a flood made in this process would otherwise
+    # take the server's interpreter lock too and slow its engine thread for reasons no deployment has.
+    with tts_server(tiny_model_dir, "--max-batch", "2", "--max-queue", "1", "--max-sessions", "4",
+                    "--voices-dir", str(tmp_path)) as url:
+        ws_url = url.replace("http://", "ws://") + "/v1/audio/speech/ws"
+        update = {"sampling": {"temperature": 0}, "max_frames": FLOOD_FRAMES, "format": {"encoding": "f32le"}}
+
         async def go():
-            a, b, c, d = [await open_session(srv.ws_url, update) for _ in range(4)]
+            a, b, c, d = [await open_session(ws_url, update) for _ in range(4)]
             t0 = time.monotonic()
             with pytest.raises(InvalidStatus) as full:           # MAX_SESSIONS are open
-                await websockets.connect(srv.ws_url)
+                await websockets.connect(ws_url)
             handshake_s = time.monotonic() - t0
             speaking = [asyncio.ensure_future(turn(ws, "long", "Admitted, and speaking at real-time pace."))
                         for ws in (a, b)]
-            for ws in (a, b):                                    # wait until both hold a slot
-                while srv.service.scheduler.stats().active < 2:
-                    await asyncio.sleep(0.005)
-            queued = asyncio.ensure_future(turn(c, "queued", "I wait for a slot."))
-            while srv.service.scheduler.stats().queued < 1:
-                await asyncio.sleep(0.005)
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                await wait_for_health(client, "batch_active", 2)          # both hold a slot
+                queued = asyncio.ensure_future(turn(c, "queued", "I wait for a slot."))
+                await wait_for_health(client, "queue_depth", 1)
             t0 = time.monotonic()
             refused, _, _ = await turn(d, "refused", "There is no room for me.")
             refused_s = time.monotonic() - t0
@@ -109,12 +116,12 @@ def test_admission_control_refuses_at_once_and_admitted_work_keeps_real_time(tin
                 while time.monotonic() < until:
                     t1 = time.monotonic()
                     try:
-                        await websockets.connect(srv.ws_url)
+                        await websockets.connect(ws_url)
                         flood["ws"].append((101, time.monotonic() - t1))
                     except InvalidStatus as e:
                         flood["ws"].append((e.response.status_code, time.monotonic() - t1))
                     await asyncio.sleep(0.02)
-            async with httpx.AsyncClient(base_url=srv.url, timeout=30) as client:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 await asyncio.gather(flood_rest(client), flood_rest(client), flood_ws())
             assert not any(t.done() for t in speaking), "the flood outlasted the admitted turns: make them longer"
             admitted = [await t for t in speaking]

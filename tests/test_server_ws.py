@@ -111,7 +111,10 @@ def test_conversation_turns_in_order_text_in_pieces(server):
             assert event["ttfa_ms"] > 0 and event["rtf"] > 0
         else:
             assert event["queue_ms"] >= 0
-    assert audio["t1"] == whole["audio"]                 # text in pieces speaks like the whole text
+    # text in pieces speaks like the whole text: the same codes, so the same audio up to the float noise
+    # of other vocoder windows (a turn waiting for text flushes its audio), at most one 16-bit step
+    pieces, alone = (np.frombuffer(a, "<i2").astype(np.int32) for a in (audio["t1"], whole["audio"]))
+    assert pieces.shape == alone.shape and np.abs(pieces - alone).max() <= 1
     assert audio["t2"] != audio["t1"]
 
 

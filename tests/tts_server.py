@@ -2,6 +2,7 @@
 tests/test_twilio.py, as a user starts them."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -26,9 +27,11 @@ def free_port() -> int:
 def subprocess_service(args: list[str], ready_url: str, timeout_s: float = 120.0,
                        headers: Optional[dict] = None) -> Iterator[subprocess.Popen]:
     """Starts `args`, waits until `ready_url` answers 200, yields the process, stops it at the end; its
-    log is shown on failure."""
+    log is shown on failure. One intra-op thread, as in this process (conftest.py): the tiny model runs
+    several times slower with more on a loaded 2-core machine."""
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
 
         def output() -> str:
             log.seek(0)
