@@ -21,12 +21,12 @@ import time
 import httpx
 import numpy as np
 import pytest
-import torch
 import websockets
 
 import app.ws
 from app.service import Settings
 from engine.scheduler import RequestHandle
+from oom import inject_out_of_memory
 from server_harness import ServerThread, next_event, read_turns
 
 MAX_BATCH = 16
@@ -247,22 +247,9 @@ def test_1000_random_disconnects_leave_nothing_behind(server):
 def test_out_of_memory_mid_step_fails_no_request(server, monkeypatch):
     model = server.service.model
     alone = [asyncio.run(speak(server, text, frames=8)) for text in TEXTS]
-    calls = {"talker": 0, "predictor": 0, "vocoder": 0}
     failing = {"talker": {3, 4, 11}, "predictor": {6, 15}, "vocoder": {2, 5}}
-
-    def inject(name, module):
-        forward = module.forward
-
-        def flaky(*args, **kwargs):
-            calls[name] += 1
-            if calls[name] in failing[name]:
-                raise torch.OutOfMemoryError(f"injected: {name} call {calls[name]}")
-            return forward(*args, **kwargs)
-        monkeypatch.setattr(module, "forward", flaky)
     before = server.service.scheduler.stats().oom_recoveries
-    inject("talker", model.talker.model)
-    inject("predictor", model.talker.code_predictor.model)
-    inject("vocoder", model.vocoder)
+    inject_out_of_memory(monkeypatch, model, failing)
 
     async def together():
         return await asyncio.gather(*(speak(server, text, frames=8) for text in TEXTS))

@@ -19,6 +19,7 @@ from engine.loader import load_model
 from engine.requests import AudioChunk, SamplingParams, SpeechRequest, TurnResult, VoicePrompt
 from engine.streaming import WindowPolicy
 from engine.scheduler import Overloaded, Scheduler
+from oom import inject_out_of_memory
 
 SPF = 1920
 GREEDY = SamplingParams(greedy=True)
@@ -267,22 +268,8 @@ def test_cancel_frees_the_slot_within_one_step(model, voices, monkeypatch):
 
 def test_out_of_memory_mid_step_is_recovered(model, voices, golden_npz, monkeypatch):
     cases = ["xvec_en", "icl_en", "xvec_eos", "icl_zh"]
-    calls = {"talker": 0, "predictor": 0, "vocoder": 0}
     failing = {"talker": {2, 3, 9, 10, 11, 12, 20}, "predictor": {5, 14}, "vocoder": {1, 4, 5}}
-
-    def inject(name, module):
-        forward = module.forward
-
-        def flaky(*args, **kwargs):
-            calls[name] += 1
-            if calls[name] in failing[name]:
-                raise torch.OutOfMemoryError(f"injected: {name} call {calls[name]}")
-            return forward(*args, **kwargs)
-        monkeypatch.setattr(module, "forward", flaky)
-
-    inject("talker", model.talker.model)                  # in a step it runs after the code predictor
-    inject("predictor", model.talker.code_predictor.model)
-    inject("vocoder", model.vocoder)
+    inject_out_of_memory(monkeypatch, model, failing)
     with Scheduler(model, 4, keep_codes=True, oom_defer_iterations=1) as sch:
         handles = [sch.submit(request(voices, c)) for c in cases]
         results = [h.collect(60) for h in handles]
