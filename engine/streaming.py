@@ -2,9 +2,9 @@
 
 Each slot's generated frames wait in a slot-indexed device buffer until its window closes: a small
 first window (time to first audio), then larger ones as far as the listener's buffered audio allows
-(`WindowPolicy`). A finishing session, or one that must wait for text, flushes what it has. Sessions due with the same window size are decoded in one batched
-`VocoderStreams.decode`, whose stateful causal decoder makes the concatenated windows equal to one
-decode of all the frames. An ICL session's stream is primed with its reference codes, so its audio
+(`WindowPolicy`). A finishing session, or one that must wait for text, flushes what it has. Sessions
+due with the same window size are decoded in one batched `VocoderStreams.decode`, whose stateful
+causal decoder makes the concatenated windows equal to one decode of all the frames. An ICL session's stream is primed with its reference codes, so its audio
 equals decoding `ref_codes ++ codes` and dropping the first `T_ref * 1920` samples.
 
 On device out-of-memory a window decode is split, first across streams, then in time (the decoder
