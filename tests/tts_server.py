@@ -1,5 +1,5 @@
-"""Runs the TTS server (tiny model) and the bridge as real subprocesses for tests/test_web.py and
-tests/test_twilio.py, as a user starts them."""
+"""Runs the TTS server (tiny model) and the bridge as real subprocesses, as a user starts them: for the
+page and Twilio tests, and for the hardening tests that need a server with a process of its own."""
 from __future__ import annotations
 
 import os
