@@ -3,6 +3,8 @@
 Times (CUDA events, median of `--reps`) on a runner whose B slots hold prompts of `--prompt` positions:
   step_graph   ModelRunner.step with CUDA graphs (what the scheduler runs per frame)
   step_eager   the same step without graphs
+  step_graph_plain, kernels_fused / kernels_plain: the same with the plain ops instead of the fused
+               decode path, and the GPU kernels one eager step launches each way
   talker       one talker forward (B rows, 1 position)       \\
   predictor    the 15 code-predictor steps with sampling      } eager, to split step_eager
   sample       one talker logits processing + sampling        /
@@ -23,6 +25,7 @@ from engine.requests import SamplingParams
 from engine.runner import ModelRunner
 from engine.sampling import sample_subtalker, sample_talker
 from engine.model.vocoder import VocoderStreams
+from bench.precision import set_fused_decode
 
 
 def timed(fn, reps: int) -> float:
@@ -37,6 +40,17 @@ def timed(fn, reps: int) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def kernel_count(fn) -> int:
+    """GPU kernels fn() launches (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 @torch.no_grad()
@@ -59,6 +73,13 @@ def breakdown(model, batch: int, prompt: int, reps: int, windows: list[int]) -> 
     runner.use_cuda_graphs()
     out["step_graph_ms"] = timed(lambda: (reset(), runner.step(batch, active, text)), reps)
     runner.graphs = None
+    for fused in (True, False):
+        set_fused_decode(model, fused)
+        out["kernels_fused" if fused else "kernels_plain"] = kernel_count(lambda: (reset(), runner.step(batch, active, text)))
+    runner.use_cuda_graphs()             # set_fused_decode(model, False) holds: plain-op graphs
+    out["step_graph_plain_ms"] = timed(lambda: (reset(), runner.step(batch, active, text)), reps)
+    runner.graphs = None
+    set_fused_decode(model, True)
     kmax = -(-(prompt + 1) // 64) * 64
     x = torch.randn(batch, 1, d, device=dev, dtype=dt) * 0.1
     start = runner.length[:batch].clone()

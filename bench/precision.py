@@ -6,7 +6,9 @@ Components: talker prefill logits, code-predictor logits (first frame), vocoder 
 codes), x-vector and reference codes of a synthetic reference. Then the same greedy request is
 synthesized in both precisions (EOS suppressed, `--frames` frames) and the fraction of equal codes is
 reported, for codebook 0 and for all 16 (codes diverge for good after the first flip, so the first
-differing frame is reported too).
+differing frame is reported too). The fused decode path (Triton kernels, `DecoderStack._decode`) is
+compared with the plain ops in each precision: logits of decode steps after one prefill, and greedy
+codes.
 """
 from __future__ import annotations
 
@@ -26,6 +28,29 @@ def err(a: torch.Tensor, b: torch.Tensor) -> dict:
     a, b = a.float().flatten(), b.float().flatten()
     return {"max_abs": (a - b).abs().max().item(), "rel_rms": ((a - b).norm() / b.norm().clamp_min(1e-12)).item(),
             "ref_max": b.abs().max().item()}
+
+
+def set_fused_decode(m, enabled: bool) -> None:
+    for stack in (m.talker.model, m.talker.code_predictor.model):
+        stack.fused_decode = enabled
+
+
+def fused_vs_plain_decode(m, embeds: torch.Tensor, steps: int = 4) -> dict:
+    """Talker logits of `steps` decode positions after a prefill of `embeds` [1, T, D], fused vs plain."""
+    logits = {}
+    for fused in (True, False):
+        set_fused_decode(m, fused)
+        cache = m.talker.new_cache(1, embeds.shape[1] + steps + 1)
+        m.talker(embeds, cache, torch.zeros(1, dtype=torch.long, device=m.device))
+        g = torch.Generator(device=m.device).manual_seed(0)
+        out = []
+        for i in range(steps):
+            x = torch.randn(1, 1, embeds.shape[-1], device=m.device, generator=g).to(m.dtype) * 0.1
+            start = torch.full((1,), embeds.shape[1] + i, dtype=torch.long, device=m.device)
+            out.append(m.talker.logits(m.talker(x, cache, start, kmax=cache.capacity)))
+        logits[fused] = torch.cat(out)
+    set_fused_decode(m, True)
+    return err(logits[True], logits[False])
 
 
 @torch.no_grad()
@@ -69,6 +94,7 @@ def main() -> None:
         codes = torch.randint(0, 2048, (1, 50, 16), generator=torch.Generator().manual_seed(0)).to(m.device)
         wav = m.vocoder.decode_unchunked(codes)
         outs[n] = (logits, torch.stack(cp), wav, c0)
+        rows[f"fused_vs_plain_decode_{n}_logits"] = fused_vs_plain_decode(m, x)
     rows["talker_logits"] = err(outs["bf16"][0], outs["fp32"][0])
     m = models["fp32"]                     # the fused GPU layout (loader default on CUDA) vs separate ops
     prompt = m.prompts.build(m.tokenizer.text_ids(text), voice, "english")
@@ -101,11 +127,16 @@ def main() -> None:
     greedy = SamplingParams(greedy=True, min_new_tokens=args.frames + 2)
     codes = {n: synthesize(m, [SpeechRequest(text=text, voice=voice, language="english", sampling=greedy,
                                              max_frames=args.frames)])[0].codes for n, m in models.items()}
-    a, b = np.asarray(codes["bf16"]), np.asarray(codes["fp32"])
-    differ = np.nonzero((a != b).any(axis=1))[0]
-    rows["greedy_codes"] = {"frames": int(a.shape[0]), "agree_c0": float((a[:, 0] == b[:, 0]).mean()),
-                            "agree_all": float((a == b).mean()),
-                            "first_differing_frame": int(differ[0]) if len(differ) else None}
+    set_fused_decode(models["bf16"], False)
+    codes["bf16_plain"] = synthesize(models["bf16"], [SpeechRequest(text=text, voice=voice, language="english",
+                                                                  sampling=greedy, max_frames=args.frames)])[0].codes
+    set_fused_decode(models["bf16"], True)
+    for name, (x, y) in {"greedy_codes": ("bf16", "fp32"), "greedy_codes_bf16_fused_vs_plain": ("bf16", "bf16_plain")}.items():
+        a, b = np.asarray(codes[x]), np.asarray(codes[y])
+        differ = np.nonzero((a != b).any(axis=1))[0]
+        rows[name] = {"frames": int(a.shape[0]), "agree_c0": float((a[:, 0] == b[:, 0]).mean()),
+                      "agree_all": float((a == b).mean()),
+                      "first_differing_frame": int(differ[0]) if len(differ) else None}
     row = {"peer": "qwen3-tts-server", "kind": "precision", **rows}
     print("RESULT", json.dumps(row), flush=True)
     if args.out:

@@ -4,7 +4,8 @@ One decode step launches ~2,000 small kernels (1 talker forward + 15 code-predic
 samplings); at small batch the GPU waits on launches, not on math (PERF_NOTES.md). `ModelRunner.decode`
 has static shapes for a given (n, kmax) and only in-place state updates, so it is captured as it is:
 the batch is padded up to a bucket with inactive rows (whose state `decode` leaves untouched) and
-attention spans a bucketed number of keys. Graphs are captured on first use of a bucket (or up front
+attention spans a bucketed number of keys (with the fused decode path, `DecoderStack._decode`,
+attention reads each row's live keys itself, so one kv bucket, the capacity, serves). Graphs are captured on first use of a bucket (or up front
 by `capture`) from a shared memory pool; capturing runs with every row inactive, so it is safe while
 sessions are live.
 """
@@ -33,7 +34,10 @@ class StepGraphs:
         max_batch = runner.max_batch
         buckets = sorted({b for b in (batch_buckets or DEFAULT_BATCH_BUCKETS) if b < max_batch} | {max_batch})
         self.batch_buckets = buckets
-        self.kv_buckets = sorted(kv_buckets) if kv_buckets else _kv_buckets(runner.capacity)
+        if runner.talker.model.fused_decode:
+            self.kv_buckets = [runner.capacity]
+        else:
+            self.kv_buckets = sorted(kv_buckets) if kv_buckets else _kv_buckets(runner.capacity)
         hidden = runner.h.shape[1]
         self.act = torch.zeros(max_batch, dtype=torch.bool, device=runner.device)
         self.text = torch.zeros(max_batch, hidden, dtype=runner.dtype, device=runner.device)

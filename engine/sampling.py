@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .model import kernels
 from .requests import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -202,9 +203,11 @@ def sample(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor
            top_p_any: bool = True, noise: torch.Tensor | None = None) -> torch.Tensor:
     """ids [B]: argmax of logits where greedy, else a seeded draw from softmax(warp(logits)).
     `noise`: this codebook's gumbel_noise(seed, frame, codebook) when already computed."""
-    warped = warp(logits, temperature, top_k, top_p, top_p_any)
     if noise is None:
         noise = gumbel_noise(seed, frame, codebook, logits.shape[-1])
+    if logits.is_cuda and not top_p_any and kernels.triton is not None:     # the same, in one kernel
+        return kernels.sample_rows(logits, noise, greedy, temperature, top_k)
+    warped = warp(logits, temperature, top_k, top_p, top_p_any)
     drawn = (warped.double() + noise).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 

@@ -3,13 +3,21 @@
 - SnakeBeta is ~56% of the vocoder's GPU time as four separate elementwise kernels (PERF_NOTES.md);
   one Triton kernel reads x once and writes y once.
 - QK-norm + RoPE: per attention layer, RMSNorm of each q and k head followed by rotate-half RoPE is
-  ~12 small kernels; one kernel per tensor does both. The decode step runs 103 attention layers, so at
-  small batch this is a large share of its kernel count.
+  ~12 small kernels; one kernel per tensor does both (the prefill path).
+- The decode step (1 talker + 15 code-predictor forwards of 1-2 positions, 103 layers per frame) is
+  bound by kernel launches at small batch, ~25 a layer as plain ops. `decode_attention` does a layer's
+  whole attention core in one kernel (QK-norm, RoPE from the positions, K/V cache write, causal
+  attention over the row's cache); `add_rms_norm` folds each residual add into the next RMSNorm and
+  `silu_mul` is the SwiGLU gate: with the 4 GEMMs, 8 kernels a layer.
+- Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
+  plain ops, 16 times a frame; `sample_rows` is one.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
+The tests run the Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -91,3 +99,221 @@ def qk_norm_rope(x, weight, eps, cos, sin):
     cos, sin = cos.contiguous(), sin.contiguous()
     _qk_norm_rope_kernel[(b * t * h,)](x, y, weight, cos, sin, h, x.stride(1), eps, D=d, HALF=d // 2)
     return y
+
+
+def _dtype_ok(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+if triton is not None:
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, N, eps, HAS_RESIDUAL: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:             # h = x + r rounded to the activation dtype, as a separate add would
+            x = (x + tl.load(r_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * N + cols, x, mask=mask)
+            x = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * N + cols, (x * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(h, rms_norm(h) * weight) with h = x + residual (h = x when residual is None), in one kernel.
+
+    Same math as `F.rms_norm` on the rounded sum: fp32 statistics, weight applied before the cast.
+    """
+    x = x.contiguous()
+    n = x.shape[-1]
+    y = torch.empty_like(x)
+    h = x if residual is None else torch.empty_like(x)
+    r = x if residual is None else residual.contiguous()
+    _add_rms_norm_kernel[(x.numel() // n,)](x, r, h, y, weight, n, eps, HAS_RESIDUAL=residual is not None,
+                                            BLOCK=triton.next_power_of_2(n))
+    return h, y
+
+
+if triton is not None:
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        gate = tl.load(x_ptr + row * 2 * N + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * N + N + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)   # F.silu rounds
+        tl.store(y_ptr + row * N + cols, (act * up).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused [..., 2 * N] gate/up projection -> [..., N]."""
+    gate_up = gate_up.contiguous()
+    n = gate_up.shape[-1] // 2
+    y = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_mul_kernel[(gate_up.numel() // (2 * n), triton.cdiv(n, block))](gate_up, y, n, BLOCK=block)
+    return y
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+if triton is not None:
+    @triton.jit
+    def _rope(x1, x2, pos, inv_freq, dtype: tl.constexpr):
+        """Rotate-half RoPE of fp32 halves at fp32 positions; cos/sin rounded to `dtype` as the
+        reference computes them (fp32, then cast to the activation dtype)."""
+        f = pos * inv_freq
+        c = tl.cos(f).to(dtype).to(tl.float32)
+        s = tl.sin(f).to(dtype).to(tl.float32)
+        return x1 * c - x2 * s, x2 * c + x1 * s
+
+    @triton.jit
+    def _decode_attention_kernel(
+            qkv_ptr, out_ptr, k_cache_ptr, v_cache_ptr, start_ptr, q_w_ptr, k_w_ptr, inv_freq_ptr,
+            stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, stride_slot, stride_pos,
+            capacity, eps, scale,
+            T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+            M: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        HALF: tl.constexpr = D // 2
+        dtype = k_cache_ptr.dtype.element_ty
+        i = tl.arange(0, HALF)
+        start = tl.load(start_ptr + b)
+        inv_freq = tl.load(inv_freq_ptr + i)
+        qkv = qkv_ptr + b * stride_qkv_b
+        k_cache = k_cache_ptr + b * stride_slot + kvh * D
+        v_cache = v_cache_ptr + b * stride_slot + kvh * D
+
+        # The T new keys (normed, rotated) and values go to the cache first (positions past the
+        # capacity land in its scratch column), then every key is read back from it.
+        kw1 = tl.load(k_w_ptr + i).to(tl.float32)
+        kw2 = tl.load(k_w_ptr + HALF + i).to(tl.float32)
+        for t in tl.static_range(T):
+            src = qkv + t * stride_qkv_t + (HQ + kvh) * D
+            k1 = tl.load(src + i).to(tl.float32)
+            k2 = tl.load(src + HALF + i).to(tl.float32)
+            inv = tl.rsqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + eps)
+            r1, r2 = _rope(k1 * inv * kw1, k2 * inv * kw2, (start + t).to(tl.float32), inv_freq, dtype)
+            dst = tl.minimum(start + t, capacity) * stride_pos
+            tl.store(k_cache + dst + i, r1.to(dtype))
+            tl.store(k_cache + dst + HALF + i, r2.to(dtype))
+            d = tl.arange(0, D)
+            tl.store(v_cache + dst + d, tl.load(qkv + t * stride_qkv_t + (HQ + HKV + kvh) * D + d))
+        tl.debug_barrier()
+
+        # Queries: the G heads of this KV head at each of the T positions, one row each (padded to M).
+        r = tl.arange(0, M)
+        valid = r < T * G
+        t_r = r // G
+        head = kvh * G + r % G
+        q_src = qkv + t_r[:, None] * stride_qkv_t + head[:, None] * D + i[None, :]
+        q1 = tl.load(q_src, mask=valid[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(q_src + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+        inv = tl.rsqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / D + eps)
+        q1 = q1 * inv[:, None] * tl.load(q_w_ptr + i).to(tl.float32)[None, :]
+        q2 = q2 * inv[:, None] * tl.load(q_w_ptr + HALF + i).to(tl.float32)[None, :]
+        q1, q2 = _rope(q1, q2, (start + t_r).to(tl.float32)[:, None], inv_freq[None, :], dtype)
+        q1, q2 = q1.to(dtype), q2.to(dtype)
+
+        # Online-softmax attention over keys 0 .. start+t (row t), fp32 scores and accumulator.
+        last = start + t_r
+        end = tl.minimum(start + T, capacity + 1)
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D], tl.float32)
+        d = tl.arange(0, D)
+        for k0 in range(0, end, BLOCK_K):
+            idx = k0 + tl.arange(0, BLOCK_K)
+            in_range = idx < end
+            kp = k_cache + idx[:, None] * stride_pos
+            k1 = tl.load(kp + i[None, :], mask=in_range[:, None], other=0.0)
+            k2 = tl.load(kp + HALF + i[None, :], mask=in_range[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
+            else:
+                s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+            s = tl.where((idx[None, :] <= last[:, None]) & in_range[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache + idx[:, None] * stride_pos + d[None, :], mask=in_range[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
+            m_i = m_new
+        out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+        dst = out_ptr + b * stride_out_b + t_r[:, None] * stride_out_t + head[:, None] * D + d[None, :]
+        tl.store(dst, out, mask=valid[:, None])
+
+
+def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
+                     k_norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
+                     block_keys: int = 64) -> torch.Tensor:
+    """The attention core of a decode forward in one kernel -> [B, T, heads * head_dim].
+
+    qkv [B, T, (heads + 2 * kv_heads) * head_dim]: the fused QKV projection of T new positions
+    start[b] .. start[b]+T-1 of row b, which is slot b of the layer's cache k_cache / v_cache
+    [slots, capacity + 1, kv_heads, head_dim]. Q and K are RMS-normed per head and rotated (RoPE from
+    the positions and inv_freq, fp32), the new K/V are written to the cache, and each query attends
+    causally over keys 0 .. its own position. Reads exactly the row's live keys: no mask, no kv bucket.
+    """
+    b, t, width = qkv.shape
+    head_dim = k_cache.shape[-1]
+    if width != (heads + 2 * kv_heads) * head_dim or head_dim & (head_dim - 1) or head_dim < 32:
+        raise ValueError(f"decode_attention: unsupported shapes qkv {tuple(qkv.shape)}, cache {tuple(k_cache.shape)}")
+    qkv = qkv.contiguous()
+    g = heads // kv_heads
+    out = torch.empty(b, t, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    block = max(16, min(block_keys, triton.next_power_of_2(int(k_cache.shape[1]) - 1)))
+    _decode_attention_kernel[(b, kv_heads)](
+        qkv, out, k_cache, v_cache, start, q_norm_weight, k_norm_weight, inv_freq,
+        qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.shape[1] - 1, eps, head_dim ** -0.5,
+        T=t, G=g, HQ=heads, HKV=kv_heads, D=head_dim, M=max(16, triton.next_power_of_2(t * g)),
+        BLOCK_K=block, IEEE=qkv.dtype == torch.float32)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _sample_rows_kernel(logits_ptr, noise_ptr, out_ptr, greedy_ptr, temperature_ptr, top_k_ptr,
+                            V, stride_logits, stride_noise, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < V
+        logits = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=float("-inf"))
+        if tl.load(greedy_ptr + row) != 0:
+            pick = tl.argmax(logits, 0)
+        else:
+            warped = logits / tl.load(temperature_ptr + row)
+            k = tl.load(top_k_ptr + row)
+            k = tl.where(k > 0, tl.minimum(k, V), V).to(tl.int32)
+            ordered = tl.sort(warped, 0, descending=True)
+            kth = tl.max(tl.where(cols == k - 1, ordered, float("-inf")), 0)
+            warped = tl.where(warped < kth, float("-inf"), warped)
+            noise = tl.load(noise_ptr + row * stride_noise + cols, mask=mask, other=0.0)
+            pick = tl.argmax(warped.to(tl.float64) + noise, 0)
+        tl.store(out_ptr + row, pick.to(tl.int64))
+
+
+def sample_rows(logits: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor,
+                top_k: torch.Tensor) -> torch.Tensor:
+    """`engine.sampling.sample` without top-p in one kernel: ids [B] of fp32 logits [B, V], given the
+    rows' float64 Gumbel noise [B, V] (a view with unit stride along V is fine)."""
+    b, v = logits.shape
+    logits = logits.contiguous()
+    out = torch.empty(b, dtype=torch.long, device=logits.device)
+    _sample_rows_kernel[(b,)](logits, noise, out, greedy, temperature, top_k, v, logits.stride(0),
+                              noise.stride(0), BLOCK=triton.next_power_of_2(v))
+    return out

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import qk_norm_rope
+from . import kernels
+from .kernels import add_rms_norm, decode_attention, qk_norm_rope, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -163,6 +164,13 @@ class Attention(nn.Module):
         out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), mask.repeat(1, 1, g, 1))
         return self.o_proj(out.reshape(b, self.heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1))
 
+    def decode(self, x, cache, layer: int, start, inv_freq):
+        """`forward` for the decode pattern (rows = slots 0..B-1, a few new positions each), with the
+        attention core in one kernel (`kernels.decode_attention`). Needs `fuse`."""
+        out = decode_attention(F.linear(x, self.qkv_weight), self.heads, self.kv_heads, self.q_norm.weight,
+                               self.k_norm.weight, self.q_norm.eps, inv_freq, cache.k[layer], cache.v[layer], start)
+        return self.o_proj(out)
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h))."""
@@ -179,6 +187,16 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, slots, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def decode(self, h, normed, next_norm: RMSNorm, cache, layer: int, start, inv_freq):
+        """The fused decode path of one layer: takes the residual stream h and input_layernorm(h),
+        returns the new h and next_norm(h) (the next layer's input norm, or the stack's final one),
+        each residual add done inside the following norm's kernel."""
+        attn = self.self_attn.decode(normed, cache, layer, start, inv_freq)
+        norm = self.post_attention_layernorm
+        h, normed = add_rms_norm(attn, h, norm.weight, norm.eps)
+        mlp = self.mlp.down_proj(silu_mul(F.linear(normed, self.mlp.gate_up_weight)))
+        return add_rms_norm(mlp, h, next_norm.weight, next_norm.eps)
+
 
 class DecoderStack(nn.Module):
     """`layers.N` + final `norm` with 1-D RoPE over a KVCache (the talker's and code predictor's `model`).
@@ -191,16 +209,19 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
+        self.fused_decode = False           # set by `fuse` on CUDA: decode forwards take `_decode`
 
     def fuse(self, enabled: bool = True) -> None:
         """GPU layout: fused QKV and gate/up GEMMs, fused QK-norm + RoPE (same parameters, fewer
-        kernels). `enabled=False` goes back to the separate projections (the weights stay shared)."""
+        kernels), and on CUDA the fused decode path. `enabled=False` goes back to the separate
+        projections (the weights stay shared)."""
         for layer in self.layers:
             if enabled:
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
             else:
                 layer.self_attn.qkv_weight = layer.mlp.gate_up_weight = None
+        self.fused_decode = enabled and kernels.triton is not None and self.norm.weight.is_cuda
 
     def forward(self, x, cache, start, slots=None, kmax=None):
         """x [B,T,D] at positions start[b]..start[b]+T-1 of slot slots[b] (row b when None).
@@ -209,6 +230,8 @@ class DecoderStack(nn.Module):
         whole cache capacity); kmax must exceed max(start)+T-1 for the rows whose outputs are used.
         """
         t = x.shape[1]
+        if self.fused_decode and slots is None and t <= 2:
+            return self._decode(x, cache, start)
         kmax = cache.capacity if kmax is None else kmax
         positions = start[:, None] + torch.arange(t, device=start.device)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
@@ -216,3 +239,14 @@ class DecoderStack(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start, slots, mask)
         return self.norm(x)
+
+    def _decode(self, x, cache, start):
+        """`forward` for decode steps (rows = slots 0..B-1, T <= 2) in 8 kernels a layer: the same
+        math with the residual adds folded into the norms and the attention core in one kernel.
+        Attention reads each row's live keys, so kmax plays no part."""
+        first = self.layers[0].input_layernorm
+        h, normed = add_rms_norm(x, None, first.weight, first.eps)
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, normed = layer.decode(h, normed, nxt, cache, i, start, self.inv_freq)
+        return normed

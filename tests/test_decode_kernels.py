@@ -1,0 +1,126 @@
+"""The fused decode path (engine/model/kernels.py) computes what the plain ops compute.
+
+The kernels run in Triton's interpreter on the CPU here (tests/triton_cpu.py), in fp32, where the
+fused and plain paths agree to rounding; on the GPU `bench/precision.py` compares them in bf16.
+"""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import KVCache
+from engine.loader import load_model
+from engine.model.layers import Attention, causal_mask, rope_cos_sin, rope_inv_freq
+from engine.requests import SamplingParams
+from engine.runner import ModelRunner
+from engine.synth import synthesize
+from tests.test_golden_generation import golden_requests
+from tests.triton_cpu import require_triton
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return require_triton()
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_add_rms_norm_matches_torch(kernels, residual):
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(3, 2, 96, generator=g), torch.randn(3, 2, 96, generator=g)
+    w = torch.rand(96, generator=g) + 0.5
+    h, y = kernels.add_rms_norm(x, r if residual else None, w, 1e-6)
+    ref = x + r if residual else x
+    torch.testing.assert_close(h, ref, atol=0, rtol=0)
+    torch.testing.assert_close(y, F.rms_norm(ref, (96,), w, 1e-6), atol=1e-6, rtol=0)
+
+
+def test_silu_mul_matches_torch(kernels):
+    gu = torch.randn(5, 2, 2 * 96, generator=torch.Generator().manual_seed(1)) * 3
+    torch.testing.assert_close(kernels.silu_mul(gu), kernels.silu_mul_reference(gu), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("t", [1, 2])
+def test_decode_attention_matches_the_plain_attention(kernels, t):
+    """QK-norm, RoPE, the K/V write and causal GQA attention over ragged rows; a row at the cache's
+    end writes only the scratch column, and no other slot's K/V changes."""
+    torch.manual_seed(2)
+    heads, kv_heads, head_dim, hidden, cap, b = 4, 2, 32, 64, 40, 3
+    attn = Attention(hidden, heads, kv_heads, head_dim, 1e-6)
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+        attn.k_norm.weight.uniform_(0.5, 1.5)
+    inv_freq = rope_inv_freq(head_dim, 1e6)
+    plain, fused = (KVCache(1, b + 1, cap, kv_heads, head_dim, torch.float32, "cpu") for _ in range(2))
+    for c in (plain, fused):          # earlier keys, identical in both (slot b is not in the batch)
+        c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(3)))
+        c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(4)))
+    start = torch.tensor([0, 17, cap + 1 - t])       # row 2 ends in the scratch column
+    x = torch.randn(b, t, hidden)
+    cos, sin = rope_cos_sin(start[:, None] + torch.arange(t), inv_freq, x.dtype)
+    with torch.no_grad():
+        expected = attn(x, cos, sin, plain, 0, start, None, causal_mask(start, t, cap))
+        attn.fuse()
+        got = attn.decode(x, fused, 0, start, inv_freq)
+    torch.testing.assert_close(got[:2], expected[:2], atol=1e-5, rtol=0)    # row 2's output is never used
+    torch.testing.assert_close(fused.k, plain.k, atol=1e-6, rtol=0)
+    torch.testing.assert_close(fused.v, plain.v, atol=0, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def fused_model(tiny_model_dir, kernels):
+    model = load_model(tiny_model_dir)
+    for stack in (model.talker.model, model.talker.code_predictor.model):
+        stack.fuse()
+        stack.fused_decode = True      # as on CUDA; here the interpreter runs the kernels
+    return model
+
+
+@pytest.mark.parametrize("name", ["xvec_eos", "batch3_icl"])
+def test_fused_decode_reproduces_golden_codes(fused_model, golden_cases, golden_npz, name):
+    """Greedy codes through the fused decode path equal the official implementation's."""
+    z = golden_npz(name)
+    results = synthesize(fused_model, golden_requests(fused_model, golden_cases[name], z, max_frames=12))
+    for i, res in enumerate(results):
+        n = res.codes.shape[0]
+        np.testing.assert_array_equal(res.codes, z[f"codes_{i}"][:n])
+        assert n == min(12, z[f"codes_{i}"].shape[0])
+
+
+def test_fused_decode_samples_the_same_frames(tiny_model_dir, fused_model):
+    """Seeded sampling over rows of different lengths: the same frames with and without the kernels."""
+    plain = load_model(tiny_model_dir)
+    d = plain.config.talker.transformer.hidden_size
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randn(n, d, generator=g) * 0.5 for n in (7, 3)]
+    text = torch.randn(2, d, generator=g) * 0.5
+    frames = []
+    for model in (plain, fused_model):
+        runner = ModelRunner(model, 2, 32)
+        runner.admit([0, 1], [SamplingParams(seed=11), SamplingParams(seed=12, temperature=0.7)], [20, 20])
+        runner.prefill([0, 1], prompts)
+        frames.append(torch.stack([runner.step(2, [True, i != 1], text).frames_cpu for i in range(4)]))
+    torch.testing.assert_close(frames[1], frames[0], atol=0, rtol=0)
+
+
+def test_sample_rows_matches_plain_sampling(kernels):
+    """Greedy rows, temperatures, top-k of 0 (off), 1, 50 and past the vocab, suppressed (-inf) ids
+    and tied logits: the same ids as `sample` without top-p."""
+    from engine.sampling import gumbel_noise, sample
+    g = torch.Generator().manual_seed(6)
+    b = 5
+    logits = torch.randn(b, 3072, generator=g) * 3
+    logits[:, -1024:] = float("-inf")
+    logits[3, :100] = 2.5                                 # a tie across the top-k boundary
+    greedy = torch.tensor([True, False, False, False, False])
+    temperature = torch.tensor([1.0, 0.5, 2.0, 0.9, 1.3])
+    top_k = torch.tensor([50, 0, 1, 50, 5000])
+    seed, frame, no_top_p = torch.arange(b) + 100, torch.arange(b), torch.ones(b, dtype=torch.float64)
+    for v, codebook in ((3072, 0), (2048, 5)):
+        if codebook == 0:
+            noise = gumbel_noise(seed, frame, 0, v)
+        else:                                             # a strided view of a frame's noise, as the runner passes
+            noise = gumbel_noise(seed, frame, torch.arange(1, 16), v)[:, codebook - 1]
+        expected = sample(logits[:, :v], greedy, temperature, top_k, no_top_p, seed, frame, codebook,
+                          top_p_any=False, noise=noise)
+        got = kernels.sample_rows(logits[:, :v], noise, greedy, temperature, top_k)
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
