@@ -234,12 +234,13 @@ if triton is not None:
             idx = k0 + tl.arange(0, BLOCK_K)
             in_range = idx < end
             kp = k_cache + idx[:, None] * stride_pos
-            k1 = tl.load(kp + i[None, :], mask=in_range[:, None], other=0.0)
-            k2 = tl.load(kp + HALF + i[None, :], mask=in_range[:, None], other=0.0)
+            keys1 = tl.load(kp + i[None, :], mask=in_range[:, None], other=0.0)
+            keys2 = tl.load(kp + HALF + i[None, :], mask=in_range[:, None], other=0.0)
             if IEEE:
-                s = tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
+                s = (tl.dot(q1, tl.trans(keys1), input_precision="ieee")
+                     + tl.dot(q2, tl.trans(keys2), input_precision="ieee"))
             else:
-                s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+                s = tl.dot(q1, tl.trans(keys1)) + tl.dot(q2, tl.trans(keys2))
             s = tl.where((idx[None, :] <= last[:, None]) & in_range[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)

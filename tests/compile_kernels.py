@@ -1,0 +1,50 @@
+"""Compile every Triton kernel of engine/model/kernels.py for Hopper (sm_90) without a GPU.
+
+Run as a script without TRITON_INTERPRET (tests/test_kernels_compile.py does): the interpreter that
+runs the kernels on the CPU accepts programs the GPU compiler refuses (a loop-carried value whose
+type changes, say), so this compiles each one as the device would, with the real model's shapes.
+"""
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compile without the interpreter"
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, compile  # noqa: E402
+
+from engine.model import kernels as k  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def build(fn, types: dict, constants: dict) -> None:
+    signature = {name: ("constexpr" if name in constants else types[name]) for name in fn.arg_names}
+    compile(ASTSource(fn, signature, constants), target=TARGET)
+    print("compiled", fn.__name__, constants, flush=True)
+
+
+def main() -> None:
+    for dtype in ("bf16", "fp32"):
+        p = "*" + dtype
+        for t, block_k in ((1, 64), (2, 16), (1, 16)):
+            build(k._decode_attention_kernel,
+                  dict(qkv_ptr=p, out_ptr=p, k_cache_ptr=p, v_cache_ptr=p, start_ptr="*i64", q_w_ptr=p,
+                       k_w_ptr=p, inv_freq_ptr="*fp32", stride_qkv_b="i32", stride_qkv_t="i32",
+                       stride_out_b="i32", stride_out_t="i32", stride_slot="i32", stride_pos="i32",
+                       capacity="i32", eps="fp32", scale="fp32"),
+                  dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, BLOCK_K=block_k, IEEE=dtype == "fp32"))
+        for residual in (True, False):
+            build(k._add_rms_norm_kernel, dict(x_ptr=p, r_ptr=p, h_ptr=p, y_ptr=p, w_ptr=p, N="i32", eps="fp32"),
+                  dict(HAS_RESIDUAL=residual, BLOCK=1024))
+        build(k._silu_mul_kernel, dict(x_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
+        build(k._snake_beta_kernel, dict(x_ptr=p, y_ptr=p, a_ptr=p, b_ptr=p, C="i32", T="i32"), dict(BLOCK=1024))
+        build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
+                                           stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
+    for block in (2048, 4096):
+        build(k._sample_rows_kernel, dict(logits_ptr="*fp32", noise_ptr="*fp64", out_ptr="*i64", greedy_ptr="*i1",
+                                          temperature_ptr="*fp32", top_k_ptr="*i64", V="i32", stride_logits="i32",
+                                          stride_noise="i32"), dict(BLOCK=block))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
