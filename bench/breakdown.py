@@ -8,7 +8,8 @@ Times (CUDA events, median of `--reps`) on a runner whose B slots hold prompts o
   talker       one talker forward (B rows, 1 position)       \\
   predictor    the 15 code-predictor steps with sampling      } eager, to split step_eager
   sample       one talker logits processing + sampling        /
-  vocoder_wN   VocoderStreams.decode of N frames for B streams, per frame
+  vocoder_wN   VocoderStreams.decode of N frames for B streams, per frame (eager; _graph: replayed
+               from the CUDA graphs the scheduler uses)
 
     python -m bench.breakdown --model-dir /tmp/rand06b --batches 1,64,256
 """
@@ -24,6 +25,8 @@ from engine.loader import load_model
 from engine.requests import SamplingParams
 from engine.runner import ModelRunner
 from engine.sampling import sample_subtalker, sample_talker
+from engine.graphs import VocoderGraphs
+from engine.model import kernels
 from engine.model.vocoder import VocoderStreams
 from bench.precision import set_fused_decode
 
@@ -92,10 +95,12 @@ def breakdown(model, batch: int, prompt: int, reps: int, windows: list[int]) -> 
     out["sample_ms"] = timed(lambda: sample_talker(runner.processor, logits, runner.seen[:batch], frame, params), reps)
     streams = VocoderStreams(model.vocoder, batch)
     idx = torch.arange(batch, device=dev)
+    graphs = VocoderGraphs(streams, windows)
     for w in windows:
         codes = torch.randint(0, 2048, (batch, w, 16), device=dev)
         streams.reset(idx)
         out[f"vocoder_w{w}_ms_per_frame"] = timed(lambda: streams.decode(idx, codes), reps) / w
+        out[f"vocoder_w{w}_graph_ms_per_frame"] = timed(lambda: graphs.decode(idx, codes), reps) / w
     return out
 
 
@@ -107,11 +112,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=200, help="cache positions per row (prompt + frames so far)")
     ap.add_argument("--windows", default="2,8")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--skinny-rows", type=int, default=kernels.SKINNY_ROWS,
+                    help="rows up to which the fused decode path's GEMMs use the skinny kernel (0: cuBLAS)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    kernels.SKINNY_ROWS = args.skinny_rows
     model = load_model(args.model_dir, device="cuda", dtype=getattr(torch, args.dtype))
     for b in (int(x) for x in args.batches.split(",")):
-        row = {"peer": "qwen3-tts-server", "kind": "breakdown", "dtype": args.dtype,
+        row = {"peer": "qwen3-tts-server", "kind": "breakdown", "dtype": args.dtype, "skinny_rows": args.skinny_rows,
                **breakdown(model, b, args.prompt, args.reps, [int(w) for w in args.windows.split(",")])}
         print("RESULT", json.dumps(row), flush=True)
         if args.out:

@@ -37,6 +37,9 @@ def main() -> None:
             build(k._add_rms_norm_kernel, dict(x_ptr=p, r_ptr=p, h_ptr=p, y_ptr=p, w_ptr=p, N="i32", eps="fp32"),
                   dict(HAS_RESIDUAL=residual, BLOCK=1024))
         build(k._silu_mul_kernel, dict(x_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
+        for block_k in (256, 128):
+            build(k._skinny_linear_kernel, dict(x_ptr=p, w_ptr=p, y_ptr=p, M="i32", N="i32", K="i32"),
+                  dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, IEEE=dtype == "fp32"))
         build(k._snake_beta_kernel, dict(x_ptr=p, y_ptr=p, a_ptr=p, b_ptr=p, C="i32", T="i32"), dict(BLOCK=1024))
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))

@@ -8,7 +8,8 @@
   bound by kernel launches at small batch, ~25 a layer as plain ops. `decode_attention` does a layer's
   whole attention core in one kernel (QK-norm, RoPE from the positions, K/V cache write, causal
   attention over the row's cache); `add_rms_norm` folds each residual add into the next RMSNorm and
-  `silu_mul` is the SwiGLU gate: with the 4 GEMMs, 8 kernels a layer.
+  `silu_mul` is the SwiGLU gate: with the 4 GEMMs, 8 kernels a layer. At a handful of rows cuBLAS
+  reads the weights at a quarter of the memory bandwidth; `linear` streams them in one skinny kernel.
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
   plain ops, 16 times a frame; `sample_rows` is one.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
@@ -159,6 +160,43 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+if triton is not None:
+    @triton.jit
+    def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # output features (weight rows)
+        rows = tl.arange(0, BLOCK_M)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+SKINNY_ROWS = 16        # up to this many rows `linear` takes the skinny kernel
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T (no bias) for the fused decode path: one skinny kernel up to SKINNY_ROWS rows,
+    else F.linear (cuBLAS is good from there on)."""
+    rows = x.numel() // x.shape[-1]
+    if rows > SKINNY_ROWS:
+        return F.linear(x, weight)
+    n, k = weight.shape
+    x2 = x.reshape(rows, k).contiguous()
+    y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    _skinny_linear_kernel[(triton.cdiv(n, 16),)](x2, weight, y, rows, n, k, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256,
+                                                  IEEE=x.dtype == torch.float32, num_stages=4)
+    return y.view(*x.shape[:-1], n)
+
+
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -288,6 +326,21 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
 
 if triton is not None:
     @triton.jit
+    def _kth_largest(x, k):
+        """The k-th largest of the fp32 block x (k >= 1), found exactly without sorting: x's bits as
+        order-preserving integers in [0, 2^32), fixed two bits at a time from the top by counting."""
+        bits = x.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
+        digit = tl.arange(0, 4).to(tl.int64)
+        ans = k.to(tl.int64) * 0
+        for j in tl.static_range(16):
+            cand = ans + (digit << (30 - 2 * j))
+            count = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), 1)
+            ans = ans + ((tl.sum((count >= k).to(tl.int32), 0) - 1).to(tl.int64) << (30 - 2 * j))
+        b = (ans - 2147483648).to(tl.int32)
+        return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _sample_rows_kernel(logits_ptr, noise_ptr, out_ptr, greedy_ptr, temperature_ptr, top_k_ptr,
                             V, stride_logits, stride_noise, BLOCK: tl.constexpr):
         row = tl.program_id(0)
@@ -300,9 +353,7 @@ if triton is not None:
             warped = logits / tl.load(temperature_ptr + row)
             k = tl.load(top_k_ptr + row)
             k = tl.where(k > 0, tl.minimum(k, V), V).to(tl.int32)
-            ordered = tl.sort(warped, 0, descending=True)
-            kth = tl.max(tl.where(cols == k - 1, ordered, float("-inf")), 0)
-            warped = tl.where(warped < kth, float("-inf"), warped)
+            warped = tl.where(warped < _kth_largest(warped, k), float("-inf"), warped)
             noise = tl.load(noise_ptr + row * stride_noise + cols, mask=mask, other=0.0)
             pick = tl.argmax(warped.to(tl.float64) + noise, 0)
         tl.store(out_ptr + row, pick.to(tl.int64))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .kernels import add_rms_norm, decode_attention, qk_norm_rope, silu_mul
+from .kernels import add_rms_norm, decode_attention, linear, qk_norm_rope, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -167,9 +167,9 @@ class Attention(nn.Module):
     def decode(self, x, cache, layer: int, start, inv_freq):
         """`forward` for the decode pattern (rows = slots 0..B-1, a few new positions each), with the
         attention core in one kernel (`kernels.decode_attention`). Needs `fuse`."""
-        out = decode_attention(F.linear(x, self.qkv_weight), self.heads, self.kv_heads, self.q_norm.weight,
+        out = decode_attention(linear(x, self.qkv_weight), self.heads, self.kv_heads, self.q_norm.weight,
                                self.k_norm.weight, self.q_norm.eps, inv_freq, cache.k[layer], cache.v[layer], start)
-        return self.o_proj(out)
+        return linear(out, self.o_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -194,7 +194,7 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn.decode(normed, cache, layer, start, inv_freq)
         norm = self.post_attention_layernorm
         h, normed = add_rms_norm(attn, h, norm.weight, norm.eps)
-        mlp = self.mlp.down_proj(silu_mul(F.linear(normed, self.mlp.gate_up_weight)))
+        mlp = linear(silu_mul(linear(normed, self.mlp.gate_up_weight)), self.mlp.down_proj.weight)
         return add_rms_norm(mlp, h, next_norm.weight, next_norm.eps)
 
 
