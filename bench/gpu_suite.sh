@@ -39,7 +39,8 @@ if has ttfa; then
 fi
 if has peer; then
   OUT="$OUTD" PB_MODEL="$MODEL" PB_FRAMES=${FRAMES:-125} PB_FQ_MODES=${PB_FQ_MODES:-single} PB_FQ_CHUNKS=2 \
-    PB_FQ_TIMEOUT=200 bash .peers/run_all.sh fq517 > "$OUTD/peer.log" 2>&1
+    PB_FQ_TIMEOUT=200 PB_QT_BATCHES=${PB_QT_BATCHES:-1,64} PB_QT_REPS=${PB_QT_REPS:-1} PB_QT_TIMEOUT=150 \
+    bash .peers/run_all.sh ${PEER_STAGES:-fq517} > "$OUTD/peer.log" 2>&1
   echo "peer rc=$? at $((SECONDS-t0)) s"
 fi
 grep -h '"kind": "error"' "$R" 2>/dev/null | cut -c1-400

@@ -17,10 +17,10 @@ from engine.model import kernels as k  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def build(fn, types: dict, constants: dict) -> None:
+def build(fn, types: dict, constants: dict, **options) -> None:
     signature = {name: ("constexpr" if name in constants else types[name]) for name in fn.arg_names}
-    compile(ASTSource(fn, signature, constants), target=TARGET)
-    print("compiled", fn.__name__, constants, flush=True)
+    compile(ASTSource(fn, signature, constants), target=TARGET, options=options or None)
+    print("compiled", fn.__name__, constants, options, flush=True)
 
 
 def main() -> None:
@@ -37,16 +37,19 @@ def main() -> None:
             build(k._add_rms_norm_kernel, dict(x_ptr=p, r_ptr=p, h_ptr=p, y_ptr=p, w_ptr=p, N="i32", eps="fp32"),
                   dict(HAS_RESIDUAL=residual, BLOCK=1024))
         build(k._silu_mul_kernel, dict(x_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
-        for block_k in (256, 128):
+        for c in k._LINEAR_CONFIGS:          # every config `linear` may time and pick
             build(k._skinny_linear_kernel, dict(x_ptr=p, w_ptr=p, y_ptr=p, M="i32", N="i32", K="i32"),
-                  dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, IEEE=dtype == "fp32"))
+                  dict(BLOCK_M=16, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], IEEE=dtype == "fp32"),
+                  num_warps=c["num_warps"], num_stages=c["num_stages"])
         build(k._snake_beta_kernel, dict(x_ptr=p, y_ptr=p, a_ptr=p, b_ptr=p, C="i32", T="i32"), dict(BLOCK=1024))
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
     for block in (2048, 4096):
-        build(k._sample_rows_kernel, dict(logits_ptr="*fp32", noise_ptr="*fp64", out_ptr="*i64", greedy_ptr="*i1",
-                                          temperature_ptr="*fp32", top_k_ptr="*i64", V="i32", stride_logits="i32",
-                                          stride_noise="i32"), dict(BLOCK=block))
+        for warps in (2, 4, 8, 16):
+            build(k._sample_rows_kernel, dict(logits_ptr="*fp32", noise_ptr="*fp64", out_ptr="*i64",
+                                              greedy_ptr="*i1", temperature_ptr="*fp32", top_k_ptr="*i64", V="i32",
+                                              stride_logits="i32", stride_noise="i32"), dict(BLOCK=block),
+                  num_warps=warps)
 
 
 if __name__ == "__main__":

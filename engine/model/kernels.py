@@ -23,6 +23,7 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+    import triton.testing
 except ImportError:      # CPU-only installs
     triton = None
 
@@ -102,8 +103,26 @@ def qk_norm_rope(x, weight, eps, cos, sin):
     return y
 
 
-def _dtype_ok(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+_fastest_config: dict = {}
+
+
+def _fastest(key, configs: list[dict], launch) -> dict:
+    """The fastest launch config of a kernel for `key` (its shapes), timed once on the GPU with
+    `triton.testing.do_bench` (which flushes the L2 cache between runs, as the decode step's weight
+    streaming does); the first config elsewhere and while a CUDA graph is being captured."""
+    best = _fastest_config.get(key)
+    if best is None:
+        if not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+            return configs[0]
+        best = _fastest_config[key] = min(configs, key=lambda c: _time(launch, c))
+    return best
+
+
+def _time(launch, config) -> float:
+    try:
+        return triton.testing.do_bench(lambda: launch(config), warmup=2, rep=10)
+    except triton.runtime.errors.OutOfResources:       # too much shared memory for this GPU
+        return float("inf")
 
 
 if triton is not None:
@@ -181,6 +200,9 @@ if triton is not None:
 
 
 SKINNY_ROWS = 16        # up to this many rows `linear` takes the skinny kernel
+_LINEAR_CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for n, k, w, st in
+                   ((16, 256, 4, 4), (16, 128, 4, 4), (16, 512, 4, 3), (16, 256, 2, 4), (32, 256, 4, 4),
+                    (16, 128, 2, 6), (32, 128, 4, 4), (16, 64, 2, 8))]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -192,8 +214,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     x2 = x.reshape(rows, k).contiguous()
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _skinny_linear_kernel[(triton.cdiv(n, 16),)](x2, weight, y, rows, n, k, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256,
-                                                  IEEE=x.dtype == torch.float32, num_stages=4)
+
+    def launch(c):
+        _skinny_linear_kernel[(triton.cdiv(n, c["BLOCK_N"]),)](
+            x2, weight, y, rows, n, k, BLOCK_M=16, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+            IEEE=x.dtype == torch.float32, num_warps=c["num_warps"], num_stages=c["num_stages"])
+    launch(_fastest(("linear", n, k, x.dtype), _LINEAR_CONFIGS, launch))
     return y.view(*x.shape[:-1], n)
 
 
@@ -366,6 +392,9 @@ def sample_rows(logits: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor,
     b, v = logits.shape
     logits = logits.contiguous()
     out = torch.empty(b, dtype=torch.long, device=logits.device)
-    _sample_rows_kernel[(b,)](logits, noise, out, greedy, temperature, top_k, v, logits.stride(0),
-                              noise.stride(0), BLOCK=triton.next_power_of_2(v))
+
+    def launch(c):
+        _sample_rows_kernel[(b,)](logits, noise, out, greedy, temperature, top_k, v, logits.stride(0),
+                                  noise.stride(0), BLOCK=triton.next_power_of_2(v), num_warps=c["num_warps"])
+    launch(_fastest(("sample_rows", v), [dict(num_warps=w) for w in (4, 8, 16, 2)], launch))
     return out
