@@ -12,6 +12,7 @@ sessions are live.
 from __future__ import annotations
 
 import bisect
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -90,13 +91,25 @@ class StepGraphs:
         return graph, out
 
 
+@contextmanager
+def cudnn_autotuned():
+    """cuDNN times its convolution algorithms for each shape it has not met (the warm-up run before a
+    capture) and reuses the fastest. Only around captures: an eager window of a new shape would
+    stall its step for seconds while every algorithm is timed (seen on an H200: 2-3 s)."""
+    b = torch.backends.cudnn
+    with b.flags(enabled=b.enabled, benchmark=True, deterministic=b.deterministic, allow_tf32=b.allow_tf32):
+        yield
+
+
 class VocoderGraphs:
     """CUDA graphs of `VocoderStreams.decode`, one per (batch bucket, window size W).
 
     The streaming vocoder's call has static shapes per (B, W) and no host sync; at small batch its
     few hundred small kernels cost more to launch than to run. Batches are padded up to a bucket with
     the streams' spare `pad_slot` (no session owns its state), so only the real rows' state advances.
-    Window sizes other than `windows` (a turn's last, partial window) run eagerly.
+    Window sizes other than `windows` (a turn's last, partial window) run eagerly. The captured
+    windows use the convolution algorithms cuDNN found fastest by timing them at capture
+    (`cudnn_autotuned`): 21% off the vocoder at 256 streams on an H200 (bench/README.md).
     """
 
     def __init__(self, streams, windows, batch_buckets=None):
@@ -134,11 +147,11 @@ class VocoderGraphs:
         slots, codes = self.slots[:bucket], self.codes[:bucket, :w]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            self.streams.decode(slots, codes)
+        with torch.cuda.stream(stream), torch.no_grad(), cudnn_autotuned():
+            self.streams.decode(slots, codes)              # times the algorithms for these shapes
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
-            out = self.streams.decode(slots, codes)
+        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad(), cudnn_autotuned():
+            out = self.streams.decode(slots, codes)        # takes the timed algorithms
         self.graphs[(bucket, w)] = (graph, out)
         return graph, out

@@ -11,7 +11,6 @@ stream keeps the context between windows in `VocoderStreams`.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -323,16 +322,6 @@ class Vocoder(nn.Module):
         return wav, samples
 
 
-@contextmanager
-def cudnn_autotuned():
-    """cuDNN times its convolution algorithms for each new shape (a few per (batch, window) bucket
-    here, all met at warm-up): 21% off the vocoder at 256 streams on an H200 (bench/README.md). Kept
-    to the streaming decode: reference audio comes in any length, and each would be timed anew."""
-    b = torch.backends.cudnn
-    with b.flags(enabled=b.enabled, benchmark=True, deterministic=b.deterministic, allow_tf32=b.allow_tf32):
-        yield
-
-
 class VocoderStreams:
     """Streaming decode state of up to `max_streams` streams in preallocated slot-indexed tensors.
 
@@ -362,8 +351,7 @@ class VocoderStreams:
         """Next W frames of each stream: slots [B] long, codes [B, W, 16] -> fp32 wav [B, W*1920]."""
         context = {op: buf.index_select(0, slots) for op, buf in self.context.items()}
         start = self.frames.index_select(0, slots)
-        with cudnn_autotuned():
-            wav = self.vocoder(codes, start, context)
+        wav = self.vocoder(codes, start, context)
         for op, buf in self.context.items():
             buf.index_copy_(0, slots, context[op])
         self.frames.index_copy_(0, slots, start + codes.shape[1])
