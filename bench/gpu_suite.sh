@@ -45,5 +45,6 @@ if has peer; then
 fi
 grep -h '"kind": "error"' "$R" 2>/dev/null | cut -c1-400
 python3 .peers/report.py "$R" 2>/dev/null
+python3 -m bench.ratios "$R"
 grep -h RESULT "$OUTD"/*.log | cut -c1-600
 echo "total $((SECONDS-t0)) s"

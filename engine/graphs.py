@@ -5,9 +5,9 @@ samplings); at small batch the GPU waits on launches, not on math (PERF_NOTES.md
 has static shapes for a given (n, kmax) and only in-place state updates, so it is captured as it is:
 the batch is padded up to a bucket with inactive rows (whose state `decode` leaves untouched) and
 attention spans a bucketed number of keys (with the fused decode path, `DecoderStack._decode`,
-attention reads each row's live keys itself, so one kv bucket, the capacity, serves). Graphs are captured on first use of a bucket (or up front
-by `capture`) from a shared memory pool; capturing runs with every row inactive, so it is safe while
-sessions are live.
+attention reads each row's live keys itself, so one kv bucket, the capacity, serves). Graphs are
+captured on first use of a bucket (or up front by `capture`) from a shared memory pool; capturing
+runs with every row inactive, so it is safe while sessions are live.
 """
 from __future__ import annotations
 

@@ -131,3 +131,12 @@ def test_skinny_linear_matches_f_linear(kernels, rows):
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(rows, 2, 96, generator=g), torch.randn(200, 96, generator=g)
     torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def test_head_sizes_the_attention_kernel_takes(kernels):
+    """Other head sizes keep the plain ops (`DecoderStack.fuse` asks before choosing the kernel)."""
+    assert [kernels.decode_attention_supports(d) for d in (16, 32, 48, 64, 128)] == [False, True, False, True, True]
+    cache = torch.zeros(1, 5, 1, 16)
+    with pytest.raises(ValueError, match="unsupported"):
+        kernels.decode_attention(torch.zeros(1, 1, 48), 1, 1, torch.ones(16), torch.ones(16), 1e-6,
+                                 torch.ones(8), cache, cache, torch.zeros(1, dtype=torch.long))

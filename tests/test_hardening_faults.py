@@ -238,7 +238,10 @@ def test_1000_random_disconnects_leave_nothing_behind(server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     pcm, done = asyncio.run(speak(server, TEXTS[0]))
     assert done == {**before_done, **{k: done[k] for k in ("ttfa_ms", "rtf", "queue_ms")}}
-    np.testing.assert_array_equal(pcm, before_pcm)
+    # the same audio; its vocoder windows follow the step times (WindowPolicy), so float rounding may
+    # differ where the windows split differently
+    assert pcm.shape == before_pcm.shape
+    np.testing.assert_allclose(pcm, before_pcm, atol=1e-4, rtol=0)
     print(f"1000 disconnects in {took:.1f} s, {len(errors)} client-side errors")
 
 

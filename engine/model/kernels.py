@@ -179,6 +179,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 if triton is not None:
     @triton.jit
     def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -221,11 +226,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             IEEE=x.dtype == torch.float32, num_warps=c["num_warps"], num_stages=c["num_stages"])
     launch(_fastest(("linear", n, k, x.dtype), _LINEAR_CONFIGS, launch))
     return y.view(*x.shape[:-1], n)
-
-
-def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 if triton is not None:
@@ -321,6 +321,11 @@ if triton is not None:
         tl.store(dst, out, mask=valid[:, None])
 
 
+def decode_attention_supports(head_dim: int) -> bool:
+    """Head sizes the kernel takes: a power of two, each half at least a tensor-core tile (16)."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
 def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
                      k_norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
@@ -335,7 +340,7 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     """
     b, t, width = qkv.shape
     head_dim = k_cache.shape[-1]
-    if width != (heads + 2 * kv_heads) * head_dim or head_dim & (head_dim - 1) or head_dim < 32:
+    if width != (heads + 2 * kv_heads) * head_dim or not decode_attention_supports(head_dim):
         raise ValueError(f"decode_attention: unsupported shapes qkv {tuple(qkv.shape)}, cache {tuple(k_cache.shape)}")
     qkv = qkv.contiguous()
     g = heads // kv_heads

@@ -221,7 +221,9 @@ class DecoderStack(nn.Module):
                 layer.mlp.fuse()
             else:
                 layer.self_attn.qkv_weight = layer.mlp.gate_up_weight = None
-        self.fused_decode = enabled and kernels.triton is not None and self.norm.weight.is_cuda
+        attn = self.layers[0].self_attn
+        self.fused_decode = (enabled and kernels.triton is not None and self.norm.weight.is_cuda
+                             and kernels.decode_attention_supports(attn.head_dim))
 
     def forward(self, x, cache, start, slots=None, kmax=None):
         """x [B,T,D] at positions start[b]..start[b]+T-1 of slot slots[b] (row b when None).

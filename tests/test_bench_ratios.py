@@ -1,0 +1,24 @@
+"""bench/ratios.py: our figures over the peers' from one results file."""
+from bench.ratios import ratios
+
+ROWS = [
+    {"peer": "qwen3-tts-server", "kind": "run", "mode": "scheduler", "batch": 1, "rtf_aggregate": 10.0},
+    {"peer": "qwen3-tts-server", "kind": "breakdown", "batch": 1, "step_graph_ms": 4.0},
+    {"peer": "qwen3-tts-server", "kind": "precision"},
+    {"peer": "faster-qwen3-tts", "kind": "run", "mode": "single", "batch": 1, "rtf_aggregate": 3.0, "ms_per_frame_step": 20.0},
+    {"peer": "faster-qwen3-tts", "kind": "run", "mode": "single", "batch": 1, "rtf_aggregate": 5.0, "ms_per_frame_step": 16.0},
+    {"peer": "faster-qwen3-tts", "kind": "run", "mode": "single", "batch": 1, "rtf_aggregate": 4.0, "ms_per_frame_step": 18.0},
+    {"peer": "faster-qwen3-tts", "kind": "run", "mode": "stream", "batch": 1, "rtf_aggregate": 1.0},
+    {"peer": "qwen-tts", "kind": "run", "batch": 64, "rtf_aggregate": 30.0, "ms_per_frame_step": 300.0},
+]
+
+
+def test_ratios_use_the_peer_median_at_the_same_batch():
+    assert ratios(ROWS) == [
+        "B=1: 10.0x real time vs faster-qwen3-tts 4.00x: 2.50x",
+        "B=1: decode step 4.00 ms vs faster-qwen3-tts 18.0 ms per frame step: 4.5x shorter",
+    ]
+
+
+def test_no_peer_no_lines():
+    assert ratios(ROWS[:3]) == []
