@@ -37,9 +37,12 @@ def main() -> None:
             build(k._add_rms_norm_kernel, dict(x_ptr=p, r_ptr=p, h_ptr=p, y_ptr=p, w_ptr=p, N="i32", eps="fp32"),
                   dict(HAS_RESIDUAL=residual, BLOCK=1024))
         build(k._silu_mul_kernel, dict(x_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
-        for c in k._LINEAR_CONFIGS:          # every config `linear` may time and pick
-            build(k._skinny_linear_kernel, dict(x_ptr=p, w_ptr=p, y_ptr=p, M="i32", N="i32", K="i32"),
-                  dict(BLOCK_M=16, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], IEEE=dtype == "fp32"),
+        for c in k.linear_configs(1):        # every config `linear` may time and pick
+            consts = dict(BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"])
+            if c["kernel"] == "dot":
+                consts.update(BLOCK_M=16, IEEE=dtype == "fp32")
+            build(k._skinny_linear_kernel if c["kernel"] == "dot" else k._gemv_kernel,
+                  dict(x_ptr=p, w_ptr=p, y_ptr=p, M="i32", N="i32", K="i32"), consts,
                   num_warps=c["num_warps"], num_stages=c["num_stages"])
         build(k._snake_beta_kernel, dict(x_ptr=p, y_ptr=p, a_ptr=p, b_ptr=p, C="i32", T="i32"), dict(BLOCK=1024))
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",

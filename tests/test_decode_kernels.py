@@ -126,11 +126,16 @@ def test_sample_rows_matches_plain_sampling(kernels):
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])
 def test_skinny_linear_matches_f_linear(kernels, rows):
     g = torch.Generator().manual_seed(7)
-    x, w = torch.randn(rows, 2, 96, generator=g), torch.randn(200, 96, generator=g)
-    torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    x, w = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g)
+    torch.testing.assert_close(kernels.linear(x[:, None], w), F.linear(x[:, None], w), atol=1e-5, rtol=1e-5)
+    if rows <= kernels.SKINNY_ROWS:         # every candidate the GPU may time and pick
+        for config in kernels.linear_configs(rows):
+            out = torch.full((rows, 200), float("nan"))
+            kernels.skinny_linear(x, w, out, config)
+            torch.testing.assert_close(out, F.linear(x, w), atol=1e-5, rtol=1e-5, msg=str(config))
 
 
 def test_head_sizes_the_attention_kernel_takes(kernels):

@@ -9,7 +9,8 @@
   whole attention core in one kernel (QK-norm, RoPE from the positions, K/V cache write, causal
   attention over the row's cache); `add_rms_norm` folds each residual add into the next RMSNorm and
   `silu_mul` is the SwiGLU gate: with the 4 GEMMs, 8 kernels a layer. At a handful of rows cuBLAS
-  reads the weights at a quarter of the memory bandwidth; `linear` streams them in one skinny kernel.
+  reads the weights at a quarter of the memory bandwidth; `linear` streams them in one skinny kernel
+  (tensor-core tiles, or for 1-2 rows a CUDA-core one), whichever times fastest on the device.
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
   plain ops, 16 times a frame; `sample_rows` is one.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
@@ -204,28 +205,64 @@ if triton is not None:
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-SKINNY_ROWS = 16        # up to this many rows `linear` takes the skinny kernel
-_LINEAR_CONFIGS = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for n, k, w, st in
-                   ((16, 256, 4, 4), (16, 128, 4, 4), (16, 512, 4, 3), (16, 256, 2, 4), (32, 256, 4, 4),
-                    (16, 128, 2, 6), (32, 128, 4, 4), (16, 64, 2, 8))]
+if triton is not None:
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Up to 2 rows on the CUDA cores: column blocks narrow enough (2-16 weight rows) that even a
+        1024-wide output gives every multiprocessor weight rows to stream."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, 2)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([2, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+SKINNY_ROWS = 16        # up to this many rows `linear` takes a skinny kernel
+GEMV_ROWS = 2           # up to this many, `_gemv_kernel` is a candidate too
+_DOT_CONFIGS = [dict(kernel="dot", BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for n, k, w, st in
+                ((16, 256, 4, 4), (16, 128, 4, 4), (16, 512, 4, 3), (16, 256, 2, 4), (32, 256, 4, 4),
+                 (16, 128, 2, 6), (32, 128, 4, 4), (16, 64, 2, 8))]
+_GEMV_CONFIGS = [dict(kernel="gemv", BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for n, k, w, st in
+                 ((8, 256, 4, 4), (4, 512, 4, 4), (2, 1024, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (4, 256, 2, 6))]
+
+
+def linear_configs(rows: int) -> list[dict]:
+    """The launch configs `linear` times for this many rows (the first is taken untimed)."""
+    return _DOT_CONFIGS + (_GEMV_CONFIGS if rows <= GEMV_ROWS else [])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T (no bias) for the fused decode path: one skinny kernel up to SKINNY_ROWS rows,
-    else F.linear (cuBLAS is good from there on)."""
+    else F.linear (cuBLAS is good from there on). The kernel and its tiles are the fastest of
+    `linear_configs` for the weight's shape, timed once on the GPU."""
     rows = x.numel() // x.shape[-1]
     if rows > SKINNY_ROWS:
         return F.linear(x, weight)
     n, k = weight.shape
     x2 = x.reshape(rows, k).contiguous()
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-
-    def launch(c):
-        _skinny_linear_kernel[(triton.cdiv(n, c["BLOCK_N"]),)](
-            x2, weight, y, rows, n, k, BLOCK_M=16, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-            IEEE=x.dtype == torch.float32, num_warps=c["num_warps"], num_stages=c["num_stages"])
-    launch(_fastest(("linear", n, k, x.dtype), _LINEAR_CONFIGS, launch))
+    configs = linear_configs(rows)
+    launch = lambda c: skinny_linear(x2, weight, y, c)        # noqa: E731
+    launch(_fastest(("linear", n, k, x.dtype, rows <= GEMV_ROWS), configs, launch))
     return y.view(*x.shape[:-1], n)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: dict) -> None:
+    """out [M, N] = x [M, K] @ weight [N, K].T with one launch config of `linear_configs(M)`."""
+    (m, k), n = x.shape, weight.shape[0]
+    grid = (triton.cdiv(n, config["BLOCK_N"]),)
+    tiles = dict(BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], num_warps=config["num_warps"],
+                 num_stages=config["num_stages"])
+    if config["kernel"] == "gemv":
+        _gemv_kernel[grid](x, weight, out, m, n, k, **tiles)
+    else:
+        _skinny_linear_kernel[grid](x, weight, out, m, n, k, BLOCK_M=16, IEEE=x.dtype == torch.float32, **tiles)
 
 
 if triton is not None:
