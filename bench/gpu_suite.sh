@@ -3,6 +3,7 @@
 # then time the peer faster-qwen3-tts on the same folder, so every figure has a peer's beside it.
 # Run from the repo root on the GPU machine (see bench/README.md for the wheels it needs in .whl/).
 #   STAGES=model,breakdown,throughput,ttfa,peer bash bench/gpu_suite.sh
+# Every stage appends its rows to $OUT/results.jsonl as it finishes; the logs come back as logs.tgz.
 set -u
 OUTD=${OUT:-/tmp/bench_out}; mkdir -p "$OUTD"
 STAGES=${STAGES:-model,breakdown,throughput,peer}
@@ -48,3 +49,6 @@ python3 .peers/report.py "$R" 2>/dev/null
 python3 -m bench.ratios "$R"
 grep -h RESULT "$OUTD"/*.log | cut -c1-600
 echo "total $((SECONDS-t0)) s"
+# At most 8 files come back from a device call: keep results.jsonl, pack the logs into one.
+tar czf /tmp/logs.tgz -C "$OUTD" --exclude=results.jsonl . 2>/dev/null && \
+  find "$OUTD" -mindepth 1 ! -name results.jsonl -delete && mv /tmp/logs.tgz "$OUTD/"
