@@ -418,7 +418,7 @@ if triton is not None:
         if tl.load(greedy_ptr + row) != 0:
             pick = tl.argmax(logits, 0)
         else:
-            warped = logits / tl.load(temperature_ptr + row)
+            warped = tl.div_rn(logits, tl.load(temperature_ptr + row))     # IEEE division, as torch
             k = tl.load(top_k_ptr + row)
             k = tl.where(k > 0, tl.minimum(k, V), V).to(tl.int32)
             warped = tl.where(warped < _kth_largest(warped, k), float("-inf"), warped)
