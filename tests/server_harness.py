@@ -76,6 +76,15 @@ class ServerThread:
         self.thread.join(30)
 
 
+def assert_same_pcm16(a: bytes, b: bytes) -> None:
+    """The same 16-bit audio of one turn taken two ways: the same length, each sample within one
+    step. The codes are equal; the vocoder windows follow step times (engine.streaming.WindowPolicy),
+    and where they split differently the float rounding moves a sample by a step at most."""
+    x, y = np.frombuffer(a, "<i2").astype(np.int32), np.frombuffer(b, "<i2").astype(np.int32)
+    assert x.shape == y.shape and x.size > 0
+    assert np.abs(x - y).max() <= 1, np.abs(x - y).max()
+
+
 def ref_wav_b64(seconds: Optional[float] = None, noise: bool = False) -> str:
     """The default voice clip (or seeded noise at 16 kHz) as a base64 WAV, cut or tiled to `seconds`."""
     wav, sr = sf.read(str(REF_WAV), dtype="float32")

@@ -14,7 +14,7 @@ import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.service import Settings
-from server_harness import ServerThread, read_turns, ref_wav_b64
+from server_harness import ServerThread, assert_same_pcm16, read_turns, ref_wav_b64
 
 FRAMES = 6
 GREEDY = {"max_frames": FRAMES, "temperature": 0}
@@ -93,7 +93,7 @@ def test_greedy_rest_audio_equals_websocket_audio(client, server):
             await ws.send(json.dumps({"type": "session.update", "max_frames": FRAMES, "sampling": {"temperature": 0}}))
             await ws.send(json.dumps({"type": "text", "turn_id": "w", "text": text, "final": True}))
             return (await read_turns(ws, 1))["w"]["audio"]
-    assert rest == asyncio.run(ws_turn())
+    assert_same_pcm16(rest, asyncio.run(ws_turn()))
 
 
 @pytest.mark.parametrize("response_format", ["wav", "pcm", "mp3", "opus", "flac"])
@@ -178,7 +178,7 @@ def test_voices_register_use_and_survive_restart(server, settings, voices_dir):
     assert default != by_id[xvec["voice_id"]] and default != by_id["narrator"] != by_id[xvec["voice_id"]]
     rest = httpx.post(server.url + "/v1/audio/speech", timeout=60, json={
         "input": "Which voice is this?", "voice": "narrator", "response_format": "pcm", **GREEDY}).content
-    assert rest == by_id["narrator"]
+    assert_same_pcm16(rest, by_id["narrator"])
 
     with ServerThread(settings) as again:           # a new server on the same VOICES_DIR
         listed = httpx.get(again.url + "/v1/voices").json()["data"]
