@@ -132,7 +132,7 @@ def test_sse_stream_format(client, server):
     assert usage["output_tokens"] == FRAMES and usage["total_tokens"] == usage["input_tokens"] + FRAMES
     plain = client.audio.speech.create(model="tts-1", voice="alloy", input="Server-sent events.",
                                        response_format="pcm", extra_body=GREEDY).read()
-    assert audio == plain
+    assert_same_pcm16(audio, plain)
 
 
 def test_sample_rate_and_raw_encodings(server):
@@ -184,7 +184,7 @@ def test_voices_register_use_and_survive_restart(server, settings, voices_dir):
         listed = httpx.get(again.url + "/v1/voices").json()["data"]
         assert {v["voice_id"] for v in listed} == {xvec["voice_id"], "narrator"}
         for voice_id, audio in by_id.items():
-            assert asyncio.run(ws_audio(again.ws_url, voice_id)) == audio
+            assert_same_pcm16(asyncio.run(ws_audio(again.ws_url, voice_id)), audio)
         assert httpx.delete(again.url + "/v1/voices/" + xvec["voice_id"]).json()["deleted"] is True
         assert httpx.get(again.url + "/v1/voices/" + xvec["voice_id"]).status_code == 404
     assert sorted(p.name for p in voices_dir.iterdir()) == ["narrator.safetensors"]
