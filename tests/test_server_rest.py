@@ -201,7 +201,7 @@ def test_registered_default_voice_replaces_the_builtin(server):
     registered = speak()
     assert registered != builtin
     assert httpx.delete(server.url + "/v1/voices/default").status_code == 200
-    assert speak() == builtin
+    assert_same_pcm16(speak(), builtin)
 
 
 def test_inline_reference_clone(server):
