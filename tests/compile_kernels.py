@@ -48,11 +48,11 @@ def main() -> None:
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
     for block in (2048, 4096):
-        for warps in (2, 4, 8, 16):
+        for config in k.SAMPLE_CONFIGS:
             build(k._sample_rows_kernel, dict(logits_ptr="*fp32", noise_ptr="*fp64", out_ptr="*i64",
                                               greedy_ptr="*i1", temperature_ptr="*fp32", top_k_ptr="*i64", V="i32",
                                               stride_logits="i32", stride_noise="i32"), dict(BLOCK=block),
-                  num_warps=warps)
+                  **config)
 
 
 if __name__ == "__main__":

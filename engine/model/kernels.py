@@ -297,6 +297,7 @@ if triton is not None:
         # capacity land in its scratch column), then every key is read back from it.
         kw1 = tl.load(k_w_ptr + i).to(tl.float32)
         kw2 = tl.load(k_w_ptr + HALF + i).to(tl.float32)
+        d = tl.arange(0, D)
         for t in tl.static_range(T):
             src = qkv + t * stride_qkv_t + (HQ + kvh) * D
             k1 = tl.load(src + i).to(tl.float32)
@@ -306,7 +307,6 @@ if triton is not None:
             dst = tl.minimum(start + t, capacity) * stride_pos
             tl.store(k_cache + dst + i, r1.to(dtype))
             tl.store(k_cache + dst + HALF + i, r2.to(dtype))
-            d = tl.arange(0, D)
             tl.store(v_cache + dst + d, tl.load(qkv + t * stride_qkv_t + (HQ + HKV + kvh) * D + d))
         tl.debug_barrier()
 
@@ -330,7 +330,6 @@ if triton is not None:
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, D], tl.float32)
-        d = tl.arange(0, D)
         for k0 in range(0, end, BLOCK_K):
             idx = k0 + tl.arange(0, BLOCK_K)
             in_range = idx < end
@@ -427,6 +426,9 @@ if triton is not None:
         tl.store(out_ptr + row, pick.to(tl.int64))
 
 
+SAMPLE_CONFIGS = [dict(num_warps=w) for w in (4, 8, 16, 2)]     # `sample_rows` times these
+
+
 def sample_rows(logits: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor,
                 top_k: torch.Tensor) -> torch.Tensor:
     """`engine.sampling.sample` without top-p in one kernel: ids [B] of fp32 logits [B, V], given the
@@ -438,5 +440,5 @@ def sample_rows(logits: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor,
     def launch(c):
         _sample_rows_kernel[(b,)](logits, noise, out, greedy, temperature, top_k, v, logits.stride(0),
                                   noise.stride(0), BLOCK=triton.next_power_of_2(v), num_warps=c["num_warps"])
-    launch(_fastest(("sample_rows", v), [dict(num_warps=w) for w in (4, 8, 16, 2)], launch))
+    launch(_fastest(("sample_rows", v), SAMPLE_CONFIGS, launch))
     return out
