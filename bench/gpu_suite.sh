@@ -2,7 +2,7 @@
 # One device call: build a random 0.6B folder, time our engine (breakdown + scheduler throughput),
 # then time the peer faster-qwen3-tts on the same folder, so every figure has a peer's beside it.
 # Run from the repo root on the GPU machine (see bench/README.md for the wheels it needs in .whl/).
-#   STAGES=model,breakdown,throughput,ttfa,peer bash bench/gpu_suite.sh
+#   STAGES=model,breakdown,first_audio,throughput,ttfa,peer bash bench/gpu_suite.sh
 # Every stage appends its rows to $OUT/results.jsonl as it finishes; the logs come back as logs.tgz.
 set -u
 OUTD=${OUT:-/tmp/bench_out}; mkdir -p "$OUTD"
@@ -29,6 +29,10 @@ fi
 if has breakdown; then
   timeout 240 python3 -m bench.breakdown --model-dir "$MODEL" --batches ${BATCHES_BREAKDOWN:-1,64,256} --out "$R" > "$OUTD/breakdown.log" 2>&1
   echo "breakdown rc=$? at $((SECONDS-t0)) s"
+fi
+if has first_audio; then
+  timeout 120 python3 -m bench.first_audio --model-dir "$MODEL" --out "$R" > "$OUTD/first_audio.log" 2>&1
+  echo "first_audio rc=$? at $((SECONDS-t0)) s"
 fi
 if has throughput; then
   timeout 300 python3 -m bench.throughput --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --out "$R" > "$OUTD/throughput.log" 2>&1

@@ -1,0 +1,104 @@
+"""Where one session's time to first audio goes, and a steady-state frame's, phase by phase.
+
+Drives a `Scheduler` in this thread (no engine thread, no server) for one request at a time and
+times each phase of every engine iteration with the device synchronized after it: admission (prompt
+build, slot state), prefill (talker forward over the prompt, first c0), the decode step and the
+vocoder windows, plus the host work between them. The first rows are the iterations up to the first
+audio chunk; the steady-state row averages the iterations after it.
+
+    python -m bench.first_audio --model-dir /tmp/rand06b --reps 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from engine.loader import load_model
+from engine.requests import SamplingParams, SpeechRequest
+from engine.scheduler import Scheduler
+
+PHASES = ("_apply_commands", "_admit", "_prefill", "_step", "_vocode")
+TEXT = "Please remember to bring your umbrella tomorrow, because the forecast says it will rain all afternoon."
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_phases(scheduler: Scheduler, log: dict) -> None:
+    """Wrap the scheduler's phase methods so each adds its synchronized wall time to log[name]."""
+    for name in PHASES:
+        inner = getattr(scheduler, name)
+
+        def wrapper(*args, _inner=inner, _name=name, **kw):
+            t = time.perf_counter()
+            out = _inner(*args, **kw)
+            sync(scheduler.device)
+            log[_name] = log.get(_name, 0.0) + (time.perf_counter() - t) * 1000
+            return out
+        setattr(scheduler, name, wrapper)
+
+
+def one_turn(scheduler: Scheduler, voice, frames: int, seed: int) -> dict:
+    """Phases (ms) of the iterations up to the first chunk, and the mean of the later ones."""
+    log: dict = {}
+    timed_phases(scheduler, log)
+    t0 = time.perf_counter()
+    handle = scheduler.submit(SpeechRequest(text=TEXT, voice=voice, language="english",
+                                            sampling=SamplingParams(seed=seed, min_new_tokens=frames + 2),
+                                            max_frames=frames))
+    first, iterations, later = None, 0, []
+    while True:
+        before = dict(log)
+        t = time.perf_counter()
+        scheduler._apply_commands(block=False)
+        scheduler._iterate()
+        iterations += 1
+        item = handle._session.outbox._items
+        if first is None and item:
+            first = (time.perf_counter() - t0) * 1000
+            head = {k: round(v, 2) for k, v in log.items()}
+            head["iterations"] = iterations
+        elif first is not None:
+            later.append({k: log.get(k, 0.0) - before.get(k, 0.0) for k in PHASES} | {"wall": (time.perf_counter() - t) * 1000})
+        if handle._session.closed:
+            break
+    steady = {k: round(statistics.mean(r[k] for r in later), 3) for k in (*PHASES, "wall")} if later else {}
+    for name in PHASES:                  # unwrap
+        delattr(scheduler, name)
+    return dict(first_audio_ms=round(first, 2), first_audio_phases_ms=head, steady_iteration_ms=steady,
+                frames=frames)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--frames", type=int, default=40)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    model = load_model(args.model_dir, device=args.device, dtype=getattr(torch, args.dtype))
+    voice = model.make_voice(np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1, 24000)
+    scheduler = Scheduler(model, max_batch=1, capacity=512)
+    scheduler.warmup()
+    one_turn(scheduler, voice, 8, 0)     # allocator, lazy inits
+    rows = [one_turn(scheduler, voice, args.frames, rep + 1) for rep in range(args.reps)]
+    best = min(rows, key=lambda r: r["first_audio_ms"])
+    row = {"peer": "qwen3-tts-server", "kind": "first_audio", "device": args.device, "dtype": args.dtype,
+           "first_audio_ms_median": statistics.median(r["first_audio_ms"] for r in rows), **best}
+    print("RESULT", json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
