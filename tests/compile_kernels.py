@@ -33,17 +33,18 @@ def main() -> None:
                        stride_out_b="i32", stride_out_t="i32", stride_slot="i32", stride_pos="i32",
                        capacity="i32", eps="fp32", scale="fp32"),
                   dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, BLOCK_K=block_k, IEEE=dtype == "fp32"))
-        for residual in (True, False):
-            build(k._add_rms_norm_kernel, dict(x_ptr=p, r_ptr=p, h_ptr=p, y_ptr=p, w_ptr=p, N="i32", eps="fp32"),
-                  dict(HAS_RESIDUAL=residual, BLOCK=1024))
+        build(k._rms_norm_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, N="i32", eps="fp32"), dict(BLOCK=1024))
         build(k._silu_mul_kernel, dict(x_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
-        for c in k.linear_configs(1):        # every config `linear` may time and pick
-            consts = dict(BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"])
-            if c["kernel"] == "dot":
-                consts.update(BLOCK_M=16, IEEE=dtype == "fp32")
-            build(k._skinny_linear_kernel if c["kernel"] == "dot" else k._gemv_kernel,
-                  dict(x_ptr=p, w_ptr=p, y_ptr=p, M="i32", N="i32", K="i32"), consts,
-                  num_warps=c["num_warps"], num_stages=c["num_stages"])
+        # every config `linear` may time and pick, with each epilogue the decode layers use (bf16);
+        # the first config of each in fp32 (the CPU tests' dtype)
+        for norm, gated, residual in ((True, False, False), (True, True, False), (False, False, True)):
+            for c in k.linear_configs(1)[:None if dtype == "bf16" else 1]:
+                dot = c["kernel"] == "dot"
+                build(k._skinny_linear_kernel,
+                      dict(x_ptr=p, w_ptr=p, y_ptr=p, r_ptr=p, norm_w_ptr=p, M="i32", N="i32", K="i32", eps="fp32"),
+                      dict(BLOCK_M=16 if dot else k.GEMV_ROWS, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], DOT=dot,
+                           IEEE=dtype == "fp32", NORM=norm, GATED=gated, RESIDUAL=residual),
+                      num_warps=c["num_warps"], num_stages=c["num_stages"])
         build(k._snake_beta_kernel, dict(x_ptr=p, y_ptr=p, a_ptr=p, b_ptr=p, C="i32", T="i32"), dict(BLOCK=1024))
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from engine.kv_cache import KVCache
 from engine.loader import load_model
-from engine.model.layers import Attention, causal_mask, rope_cos_sin, rope_inv_freq
+from engine.model.layers import Attention, RMSNorm, causal_mask, rope_cos_sin, rope_inv_freq
 from engine.requests import SamplingParams
 from engine.runner import ModelRunner
 from engine.synth import synthesize
@@ -23,15 +23,10 @@ def kernels():
     return require_triton()
 
 
-@pytest.mark.parametrize("residual", [True, False])
-def test_add_rms_norm_matches_torch(kernels, residual):
+def test_rms_norm_matches_torch(kernels):
     g = torch.Generator().manual_seed(0)
-    x, r = torch.randn(3, 2, 96, generator=g), torch.randn(3, 2, 96, generator=g)
-    w = torch.rand(96, generator=g) + 0.5
-    h, y = kernels.add_rms_norm(x, r if residual else None, w, 1e-6)
-    ref = x + r if residual else x
-    torch.testing.assert_close(h, ref, atol=0, rtol=0)
-    torch.testing.assert_close(y, F.rms_norm(ref, (96,), w, 1e-6), atol=1e-6, rtol=0)
+    x, w = torch.randn(3, 2, 96, generator=g), torch.rand(96, generator=g) + 0.5
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), F.rms_norm(x, (96,), w, 1e-6), atol=1e-6, rtol=0)
 
 
 def test_silu_mul_matches_torch(kernels):
@@ -41,12 +36,15 @@ def test_silu_mul_matches_torch(kernels):
 
 @pytest.mark.parametrize("t", [1, 2])
 def test_decode_attention_matches_the_plain_attention(kernels, t):
-    """QK-norm, RoPE, the K/V write and causal GQA attention over ragged rows; a row at the cache's
-    end writes only the scratch column, and no other slot's K/V changes."""
+    """The pre-norm, QK-norm, RoPE, the K/V write, causal GQA attention over ragged rows and the
+    residual add; a row at the cache's end writes only the scratch column, and no other slot's K/V
+    changes."""
     torch.manual_seed(2)
     heads, kv_heads, head_dim, hidden, cap, b = 4, 2, 32, 64, 40, 3
     attn = Attention(hidden, heads, kv_heads, head_dim, 1e-6)
+    norm = RMSNorm(hidden, 1e-6)
     with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
         attn.q_norm.weight.uniform_(0.5, 1.5)
         attn.k_norm.weight.uniform_(0.5, 1.5)
     inv_freq = rope_inv_freq(head_dim, 1e6)
@@ -58,9 +56,9 @@ def test_decode_attention_matches_the_plain_attention(kernels, t):
     x = torch.randn(b, t, hidden)
     cos, sin = rope_cos_sin(start[:, None] + torch.arange(t), inv_freq, x.dtype)
     with torch.no_grad():
-        expected = attn(x, cos, sin, plain, 0, start, None, causal_mask(start, t, cap))
+        expected = x + attn(norm(x), cos, sin, plain, 0, start, None, causal_mask(start, t, cap))
         attn.fuse()
-        got = attn.decode(x, fused, 0, start, inv_freq)
+        got = attn.decode(x, norm, fused, 0, start, inv_freq)
     torch.testing.assert_close(got[:2], expected[:2], atol=1e-5, rtol=0)    # row 2's output is never used
     torch.testing.assert_close(fused.k, plain.k, atol=1e-6, rtol=0)
     torch.testing.assert_close(fused.v, plain.v, atol=1e-6, rtol=0)
@@ -127,15 +125,28 @@ def test_sample_rows_matches_plain_sampling(kernels):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])
-def test_skinny_linear_matches_f_linear(kernels, rows):
+@pytest.mark.parametrize("epilogue", ["plain", "norm", "norm+gate", "residual"])
+def test_skinny_linear_matches_the_separate_ops(kernels, rows, epilogue):
+    """`linear` with its folded-in RMSNorm / SwiGLU gate / residual add, skinny kernel or (17 rows)
+    cuBLAS, against the separate ops; and every launch config the GPU may time and pick (tiles are
+    independent of the epilogue: all of them with the gate, the first of each kernel otherwise)."""
     g = torch.Generator().manual_seed(7)
-    x, w = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g)
-    torch.testing.assert_close(kernels.linear(x[:, None], w), F.linear(x[:, None], w), atol=1e-5, rtol=1e-5)
-    if rows <= kernels.SKINNY_ROWS:         # every candidate the GPU may time and pick
-        for config in kernels.linear_configs(rows):
-            out = torch.full((rows, 200), float("nan"))
-            kernels.skinny_linear(x, w, out, config)
-            torch.testing.assert_close(out, F.linear(x, w), atol=1e-5, rtol=1e-5, msg=str(config))
+    x, w, r = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g), torch.randn(rows, 100, generator=g)
+    nw = torch.rand(96, generator=g) + 0.5
+    norm, gated, residual = "norm" in epilogue, "gate" in epilogue, epilogue == "residual"
+    n = 100 if gated or residual else 200
+    w, residual_ = (w[:n], r) if residual else (w, None)
+    expected = F.linear(F.rms_norm(x, (96,), nw, 1e-6) if norm else x, w)
+    expected = kernels.silu_mul_reference(expected) if gated else expected + r if residual else expected
+    args = (nw if norm else None, 1e-6, gated, residual_)
+    torch.testing.assert_close(kernels.linear(x[:, None], w, *args), expected[:, None], atol=1e-4, rtol=1e-4)
+    configs = kernels.linear_configs(rows) if rows <= kernels.SKINNY_ROWS else []
+    if not gated:
+        configs = [c for i, c in enumerate(configs) if i == 0 or c["kernel"] != configs[i - 1]["kernel"]]
+    for config in configs:
+        out = torch.full((rows, n), float("nan"))
+        kernels.skinny_linear(x, w, out, config, *args)
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=str(config))
 
 
 def test_head_sizes_the_attention_kernel_takes(kernels):

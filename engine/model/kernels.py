@@ -7,10 +7,11 @@
 - The decode step (1 talker + 15 code-predictor forwards of 1-2 positions, 103 layers per frame) is
   bound by kernel launches at small batch, ~25 a layer as plain ops. `decode_attention` does a layer's
   whole attention core in one kernel (QK-norm, RoPE from the positions, K/V cache write, causal
-  attention over the row's cache); `add_rms_norm` folds each residual add into the next RMSNorm and
-  `silu_mul` is the SwiGLU gate: with the 4 GEMMs, 8 kernels a layer. At a handful of rows cuBLAS
-  reads the weights at a quarter of the memory bandwidth; `linear` streams them in one skinny kernel
-  (tensor-core tiles, or for 1-2 rows a CUDA-core one), whichever times fastest on the device.
+  attention over the row's cache). At a handful of rows cuBLAS reads the weights at a quarter of the
+  memory bandwidth; `linear` streams them in one skinny kernel (tensor-core tiles, or for 1-2 rows a
+  CUDA-core one, whichever times fastest on the device) that also does the RMSNorm before the GEMM
+  and the SwiGLU gate or the residual add after it: 5 kernels a layer. Past 16 rows the GEMMs are
+  cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own: 8 a layer.
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
   plain ops, 16 times a frame; `sample_rows` is one.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
@@ -128,46 +129,42 @@ def _time(launch, config) -> float:
 
 if triton is not None:
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, r_ptr, h_ptr, y_ptr, w_ptr, N, eps, HAS_RESIDUAL: tl.constexpr,
-                             BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, N, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:             # h = x + r rounded to the activation dtype, as a separate add would
-            x = (x + tl.load(r_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
-            tl.store(h_ptr + row * N + cols, x, mask=mask)
-            x = x.to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * N + cols, (x * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """(h, rms_norm(h) * weight) with h = x + residual (h = x when residual is None), in one kernel.
-
-    Same math as `F.rms_norm` on the rounded sum: fp32 statistics, weight applied before the cast.
-    """
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension in one kernel: fp32 statistics, the weight applied before the
+    cast back (the math of `F.rms_norm`)."""
     x = x.contiguous()
     n = x.shape[-1]
     y = torch.empty_like(x)
-    h = x if residual is None else torch.empty_like(x)
-    r = x if residual is None else residual.contiguous()
-    _add_rms_norm_kernel[(x.numel() // n,)](x, r, h, y, weight, n, eps, HAS_RESIDUAL=residual is not None,
-                                            BLOCK=triton.next_power_of_2(n))
-    return h, y
+    _rms_norm_kernel[(x.numel() // n,)](x, y, weight, n, eps, BLOCK=triton.next_power_of_2(n))
+    return y
 
 
 if triton is not None:
+    @triton.jit
+    def _silu_mul(gate, up, dtype: tl.constexpr):
+        """silu(gate) * up of values in `dtype`, rounded as F.silu then a multiply round them."""
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        return (act * up.to(tl.float32)).to(dtype)
+
     @triton.jit
     def _silu_mul_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
-        gate = tl.load(x_ptr + row * 2 * N + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * 2 * N + N + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)   # F.silu rounds
-        tl.store(y_ptr + row * N + cols, (act * up).to(y_ptr.dtype.element_ty), mask=mask)
+        gate = tl.load(x_ptr + row * 2 * N + cols, mask=mask, other=0.0)
+        up = tl.load(x_ptr + row * 2 * N + N + cols, mask=mask, other=0.0)
+        tl.store(y_ptr + row * N + cols, _silu_mul(gate, up, y_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -187,44 +184,64 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # output features (weight rows)
-        rows = tl.arange(0, BLOCK_M)
-        kk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + kk
-            x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
-            w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
+    def _mac(acc, x, w, DOT: tl.constexpr, IEEE: tl.constexpr):
+        """acc + x @ w.T: on the tensor cores (DOT), else on the CUDA cores (a handful of rows)."""
+        if DOT:
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
-        tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        return acc
 
-
-if triton is not None:
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Up to 2 rows on the CUDA cores: column blocks narrow enough (2-16 weight rows) that even a
-        1024-wide output gives every multiprocessor weight rows to stream."""
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.arange(0, 2)
+    def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
+                              GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+        """One BLOCK_N-wide column block of y [M, N] for all (<= BLOCK_M) rows, streaming its weight
+        rows once. NORM: x is RMS-normed first (each program reads x's rows, a few KB, for the
+        statistics). GATED: w is [gate; up] (2N rows) and y = silu(x gate.T) * (x up.T). RESIDUAL:
+        y += r. Every intermediate is rounded to the activation dtype where the separate ops round."""
+        dtype = y_ptr.dtype.element_ty
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # output features (weight rows)
+        rows = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([2, BLOCK_N], tl.float32)
+        x_rows = x_ptr + rows[:, None] * K
+        w_rows = w_ptr + cols[:, None] * K
+        if NORM:
+            ss = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + kk
+                x = tl.load(x_rows + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+                ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
+            inv = tl.rsqrt(ss / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if GATED:
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + kk
-            x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
-            w = tl.load(w_ptr + cols[:, None] * K + k[None, :], mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            x = tl.load(x_rows + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+            if NORM:
+                nw = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) * inv[:, None] * nw[None, :]).to(dtype)
+            w_mask = (cols[:, None] < N) & (k[None, :] < K)
+            acc = _mac(acc, x, tl.load(w_rows + k[None, :], mask=w_mask, other=0.0), DOT, IEEE)
+            if GATED:
+                acc_up = _mac(acc_up, x, tl.load(w_rows + N * K + k[None, :], mask=w_mask, other=0.0), DOT, IEEE)
+        y = acc.to(dtype)
+        if GATED:
+            y = _silu_mul(y, acc_up.to(dtype), dtype)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
-        tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+        if RESIDUAL:
+            r = tl.load(r_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
 
 
-SKINNY_ROWS = 16        # up to this many rows `linear` takes a skinny kernel
-GEMV_ROWS = 2           # up to this many, `_gemv_kernel` is a candidate too
+SKINNY_ROWS = 16        # up to this many rows `linear` takes the skinny kernel
+GEMV_ROWS = 2           # up to this many, its CUDA-core variant is a candidate too
 _DOT_CONFIGS = [dict(kernel="dot", BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for n, k, w, st in
                 ((16, 256, 4, 4), (16, 128, 4, 4), (16, 512, 4, 3), (16, 256, 2, 4), (32, 256, 4, 4),
                  (16, 128, 2, 6), (32, 128, 4, 4), (16, 64, 2, 8))]
@@ -237,32 +254,50 @@ def linear_configs(rows: int) -> list[dict]:
     return _DOT_CONFIGS + (_GEMV_CONFIGS if rows <= GEMV_ROWS else [])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T (no bias) for the fused decode path: one skinny kernel up to SKINNY_ROWS rows,
-    else F.linear (cuBLAS is good from there on). The kernel and its tiles are the fastest of
-    `linear_configs` for the weight's shape, timed once on the GPU."""
-    rows = x.numel() // x.shape[-1]
+def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+           gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (no bias) for the fused decode path, with what surrounds a GEMM in a transformer
+    layer folded in: the RMSNorm before it (`norm_weight`, `eps`), the SwiGLU gate after it (`gated`:
+    weight is [gate; up], the result silu(gate) * up) or the residual add after it (`residual`).
+
+    Up to SKINNY_ROWS rows it is one skinny kernel (the fastest of `linear_configs` for its shapes,
+    timed once on the GPU); beyond, where cuBLAS is good, the RMSNorm and gate are kernels of their own
+    and the residual add is cuBLAS's epilogue (addmm).
+    """
+    rows, k = x.numel() // x.shape[-1], x.shape[-1]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    x2 = x.reshape(rows, k)
+    r2 = None if residual is None else residual.reshape(rows, n)
     if rows > SKINNY_ROWS:
-        return F.linear(x, weight)
-    n, k = weight.shape
-    x2 = x.reshape(rows, k).contiguous()
+        if norm_weight is not None:
+            x2 = rms_norm(x2, norm_weight, eps)
+        if gated:
+            y = silu_mul(F.linear(x2, weight))
+        elif r2 is not None:
+            y = torch.addmm(r2, x2, weight.t())
+        else:
+            y = F.linear(x2, weight)
+        return y.view(*x.shape[:-1], n)
+    x2 = x2.contiguous()
+    r2 = None if r2 is None else r2.contiguous()
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    configs = linear_configs(rows)
-    launch = lambda c: skinny_linear(x2, weight, y, c)        # noqa: E731
-    launch(_fastest(("linear", n, k, x.dtype, rows <= GEMV_ROWS), configs, launch))
+    launch = lambda c: skinny_linear(x2, weight, y, c, norm_weight, eps, gated, r2)   # noqa: E731
+    key = ("linear", n, k, x.dtype, rows <= GEMV_ROWS, norm_weight is not None, gated, r2 is not None)
+    launch(_fastest(key, linear_configs(rows), launch))
     return y.view(*x.shape[:-1], n)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: dict) -> None:
-    """out [M, N] = x [M, K] @ weight [N, K].T with one launch config of `linear_configs(M)`."""
-    (m, k), n = x.shape, weight.shape[0]
-    grid = (triton.cdiv(n, config["BLOCK_N"]),)
-    tiles = dict(BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], num_warps=config["num_warps"],
-                 num_stages=config["num_stages"])
-    if config["kernel"] == "gemv":
-        _gemv_kernel[grid](x, weight, out, m, n, k, **tiles)
-    else:
-        _skinny_linear_kernel[grid](x, weight, out, m, n, k, BLOCK_M=16, IEEE=x.dtype == torch.float32, **tiles)
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: dict,
+                  norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
+                  residual: torch.Tensor | None = None) -> None:
+    """out [M, N] = `linear`(x [M, K], weight) with one launch config of `linear_configs(M)`."""
+    (m, k), n = x.shape, out.shape[1]
+    dot = config["kernel"] == "dot"
+    _skinny_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
+        x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
+        m, n, k, eps, BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+        DOT=dot, IEEE=x.dtype == torch.float32, NORM=norm_weight is not None, GATED=gated,
+        RESIDUAL=residual is not None, num_warps=config["num_warps"], num_stages=config["num_stages"])
 
 
 if triton is not None:

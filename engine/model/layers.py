@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .kernels import add_rms_norm, decode_attention, linear, qk_norm_rope, silu_mul
+from .kernels import decode_attention, linear, qk_norm_rope, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -164,12 +164,14 @@ class Attention(nn.Module):
         out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), mask.repeat(1, 1, g, 1))
         return self.o_proj(out.reshape(b, self.heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1))
 
-    def decode(self, x, cache, layer: int, start, inv_freq):
-        """`forward` for the decode pattern (rows = slots 0..B-1, a few new positions each), with the
-        attention core in one kernel (`kernels.decode_attention`). Needs `fuse`."""
-        out = decode_attention(linear(x, self.qkv_weight), self.heads, self.kv_heads, self.q_norm.weight,
-                               self.k_norm.weight, self.q_norm.eps, inv_freq, cache.k[layer], cache.v[layer], start)
-        return linear(out, self.o_proj.weight)
+    def decode(self, h, norm: RMSNorm, cache, layer: int, start, inv_freq):
+        """h + self(norm(h)) for the decode pattern (rows = slots 0..B-1, a few new positions each): the
+        norm in the QKV GEMM, the attention core in one kernel (`kernels.decode_attention`), the
+        residual add in the output GEMM. Needs `fuse`."""
+        qkv = linear(h, self.qkv_weight, norm.weight, norm.eps)
+        out = decode_attention(qkv, self.heads, self.kv_heads, self.q_norm.weight, self.k_norm.weight,
+                               self.q_norm.eps, inv_freq, cache.k[layer], cache.v[layer], start)
+        return linear(out, self.o_proj.weight, residual=h)
 
 
 class DecoderLayer(nn.Module):
@@ -187,15 +189,13 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, slots, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def decode(self, h, normed, next_norm: RMSNorm, cache, layer: int, start, inv_freq):
-        """The fused decode path of one layer: takes the residual stream h and input_layernorm(h),
-        returns the new h and next_norm(h) (the next layer's input norm, or the stack's final one),
-        each residual add done inside the following norm's kernel."""
-        attn = self.self_attn.decode(normed, cache, layer, start, inv_freq)
-        norm = self.post_attention_layernorm
-        h, normed = add_rms_norm(attn, h, norm.weight, norm.eps)
-        mlp = linear(silu_mul(linear(normed, self.mlp.gate_up_weight)), self.mlp.down_proj.weight)
-        return add_rms_norm(mlp, h, next_norm.weight, next_norm.eps)
+    def decode(self, h, cache, layer: int, start, inv_freq):
+        """`forward` for the fused decode path: 3 GEMMs with the norms, the gate and the residual adds
+        folded in (`kernels.linear`), and the attention kernel."""
+        h = self.self_attn.decode(h, self.input_layernorm, cache, layer, start, inv_freq)
+        norm, mlp = self.post_attention_layernorm, self.mlp
+        act = linear(h, mlp.gate_up_weight, norm.weight, norm.eps, gated=True)
+        return linear(act, mlp.down_proj.weight, residual=h)
 
 
 class DecoderStack(nn.Module):
@@ -243,12 +243,9 @@ class DecoderStack(nn.Module):
         return self.norm(x)
 
     def _decode(self, x, cache, start):
-        """`forward` for decode steps (rows = slots 0..B-1, T <= 2) in 8 kernels a layer: the same
-        math with the residual adds folded into the norms and the attention core in one kernel.
-        Attention reads each row's live keys, so kmax plays no part."""
-        first = self.layers[0].input_layernorm
-        h, normed = add_rms_norm(x, None, first.weight, first.eps)
+        """`forward` for decode steps (rows = slots 0..B-1, T <= 2): the same math in 5 kernels a
+        layer at up to 16 rows (8 beyond), the norms, gate and residual adds folded into the GEMMs and
+        the attention core in one kernel. Attention reads each row's live keys: kmax plays no part."""
         for i, layer in enumerate(self.layers):
-            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h, normed = layer.decode(h, normed, nxt, cache, i, start, self.inv_freq)
-        return normed
+            x = layer.decode(x, cache, i, start, self.inv_freq)
+        return rms_norm(x, self.norm.weight, self.norm.eps)
