@@ -22,6 +22,10 @@ if has model; then
   python3 -m engine.testing.random_model --preset 0.6b --seed 0 --out "$MODEL" --bf16 > "$OUTD/model.log" 2>&1
   echo "model rc=$? at $((SECONDS-t0)) s"
 fi
+if has checks; then
+  timeout 200 python3 -m bench.gpu_checks --model-dir "$MODEL" --out "$R" > "$OUTD/checks.log" 2>&1
+  echo "checks rc=$? at $((SECONDS-t0)) s"
+fi
 if has precision; then
   timeout 200 python3 -m bench.precision --model-dir "$MODEL" --out "$R" > "$OUTD/precision.log" 2>&1
   echo "precision rc=$? at $((SECONDS-t0)) s"
@@ -33,6 +37,10 @@ fi
 if has first_audio; then
   timeout 120 python3 -m bench.first_audio --model-dir "$MODEL" --out "$R" > "$OUTD/first_audio.log" 2>&1
   echo "first_audio rc=$? at $((SECONDS-t0)) s"
+fi
+if has profile; then
+  timeout 150 python3 -m bench.profile_step --model-dir "$MODEL" --batch ${PROFILE_BATCH:-256} > "$OUTD/profile.log" 2>&1
+  echo "profile rc=$? at $((SECONDS-t0)) s"
 fi
 if has throughput; then
   timeout 300 python3 -m bench.throughput --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --out "$R" > "$OUTD/throughput.log" 2>&1

@@ -1,4 +1,5 @@
-"""Kernel counts and the top GPU kernels of one decode step, and the scheduler's host time per frame.
+"""Kernel counts and the top GPU kernels of one decode step and of one vocoder window, and the
+scheduler's host time per frame.
 
     python -m bench.profile_step --model-dir /tmp/rand06b --batch 64
 """
@@ -50,6 +51,19 @@ def main() -> None:
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
     print(f"eager step wall {ms:.1f} ms; python profile:\n{s.getvalue()[:6000]}")
+
+    # One 8-frame vocoder window for every stream: its top kernels.
+    from engine.model.vocoder import VocoderStreams
+    streams = VocoderStreams(model.vocoder, b)
+    idx = torch.arange(b, device="cuda")
+    codes = torch.randint(0, 2048, (b, 8, 16), device="cuda")
+    streams.decode(idx, codes)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        streams.decode(idx, codes)
+        torch.cuda.synchronize()
+    print(f"eager vocoder window B={b} W=8:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 
     # The scheduler's host work per frame: drive its loop in this thread under cProfile.
     from engine.requests import SpeechRequest

@@ -1,4 +1,5 @@
-"""CUDA graphs of the decode step, one per (batch bucket, kv-length bucket).
+"""CUDA graphs of the decode step, one per (batch bucket, kv-length bucket); of a one-row prefill per
+prompt-length bucket; of the streaming vocoder per (batch bucket, window size).
 
 One decode step launches ~2,000 small kernels (1 talker forward + 15 code-predictor steps + 16
 samplings); at small batch the GPU waits on launches, not on math (PERF_NOTES.md). `ModelRunner.decode`
@@ -91,6 +92,65 @@ class StepGraphs:
         return graph, out
 
 
+class PrefillGraphs:
+    """CUDA graphs of a one-row talker prefill from position 0, one per prompt-length bucket.
+
+    A session's time to first audio starts with its prompt's prefill, and sessions mostly arrive one
+    at a time. Eagerly, the talker's 28 layers are ~600 small kernels launched from Python (~25 ms on
+    an H200, most of a first chunk's time); replayed, they cost what the GPU takes. The prompt is
+    right-padded to its bucket: the padding's K/V land after the prompt in the row's cache, where no
+    real query looks (causal) and the decode steps overwrite them. Rows of a batch, and chunks that
+    continue a long prompt, run eagerly.
+    """
+
+    def __init__(self, runner, buckets=(16, 32, 64, 128, 256)):
+        self.runner = runner
+        self.buckets = [b for b in sorted(buckets) if b <= runner.capacity]
+        hidden = runner.h.shape[1]
+        self.x = torch.zeros(1, max(self.buckets, default=0), hidden, dtype=runner.dtype, device=runner.device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=runner.device)
+        self.start = torch.zeros(1, dtype=torch.long, device=runner.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def run(self, slot: int, chunk: torch.Tensor) -> torch.Tensor | None:
+        """Hidden states [1, T, D] of the prompt chunk [T, D] prefilled into `slot` from position 0
+        (None when T is past the largest bucket)."""
+        t = chunk.shape[0]
+        i = bisect.bisect_left(self.buckets, t)
+        if i == len(self.buckets):
+            return None
+        bucket = self.buckets[i]
+        self.x[0, :t].copy_(chunk)
+        self.x[0, t:bucket].zero_()
+        self.slot.fill_(slot)
+        graph, out = self.graphs.get(bucket) or self._capture(bucket)
+        graph.replay()
+        return out[:, :t]
+
+    def capture(self) -> int:
+        for bucket in self.buckets:
+            if bucket not in self.graphs:
+                self._capture(bucket)
+        return len(self.graphs)
+
+    def _capture(self, bucket: int):
+        """Capturing writes the padding's K/V into slot `self.slot` (the slot being prefilled, or
+        slot 0 before serving), which the prefill then overwrites."""
+        runner = self.runner
+        forward = lambda: runner.talker(self.x[:, :bucket], runner.cache, self.start, slots=self.slot, kmax=bucket)  # noqa: E731
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+            out = forward()
+        self.graphs[bucket] = (graph, out)
+        return graph, out
+
+
 @contextmanager
 def cudnn_autotuned():
     """cuDNN times its convolution algorithms for each shape it has not met (the warm-up run before a
@@ -107,15 +167,18 @@ class VocoderGraphs:
     The streaming vocoder's call has static shapes per (B, W) and no host sync; at small batch its
     few hundred small kernels cost more to launch than to run. Batches are padded up to a bucket with
     the streams' spare `pad_slot` (no session owns its state), so only the real rows' state advances.
-    Window sizes other than `windows` (a turn's last, partial window) run eagerly. The captured
-    windows use the convolution algorithms cuDNN found fastest by timing them at capture
+    A window of another size (a turn's last, partial window, a flush while waiting for text, an ICL
+    reference) is decoded as a run of captured sizes, largest first (1 is always captured): the
+    stateful decoder makes that the same audio, and no eager window of a new shape ever stalls the
+    step (the first eager call of a shape took 0.16-0.8 s on an H200, as cuDNN prepared its kernels).
+    The captured windows use the convolution algorithms cuDNN found fastest by timing them at capture
     (`cudnn_autotuned`): 21% off the vocoder at 256 streams on an H200 (bench/README.md).
     """
 
     def __init__(self, streams, windows, batch_buckets=None):
         self.streams = streams
         n = streams.max_streams
-        self.windows = sorted(set(windows))
+        self.windows = sorted({1, *windows})
         self.batch_buckets = sorted({b for b in (batch_buckets or DEFAULT_BATCH_BUCKETS) if b < n} | {n})
         device = streams.frames.device
         self.slots = torch.full((n,), streams.pad_slot, dtype=torch.long, device=device)
@@ -126,7 +189,12 @@ class VocoderGraphs:
     def decode(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         b, w = codes.shape[:2]
         if w not in self.windows:
-            return self.streams.decode(slots, codes)
+            pieces, t = [], 0
+            while t < w:
+                size = max(s for s in self.windows if s <= w - t)
+                pieces.append(self.decode(slots, codes[:, t:t + size]).clone())   # the next replay reuses `out`
+                t += size
+            return torch.cat(pieces, dim=1)
         bucket = self.batch_buckets[bisect.bisect_left(self.batch_buckets, b)]
         graph, out = self.graphs.get((bucket, w)) or self._capture(bucket, w)
         self.slots[:bucket].fill_(self.streams.pad_slot)

@@ -70,11 +70,14 @@ class ModelRunner:
         self.params = SamplingTensors.from_params([SamplingParams(seed=0)] * s, dev)
         self.lengths = np.zeros(s, dtype=np.int64)   # host mirror of `length`: kmax without a device sync
         self.graphs = None                            # engine.graphs.StepGraphs once enabled
+        self.prefill_graphs = None                    # engine.graphs.PrefillGraphs once enabled
 
     def use_cuda_graphs(self, batch_buckets=None, kv_buckets=None) -> None:
-        """Replay the decode step from CUDA graphs, captured per (batch, kv length) bucket on first use."""
-        from .graphs import StepGraphs
+        """Replay the decode step from CUDA graphs, captured per (batch, kv length) bucket on first use,
+        and one-row prefills per prompt-length bucket."""
+        from .graphs import PrefillGraphs, StepGraphs
         self.graphs = StepGraphs(self, batch_buckets, kv_buckets)
+        self.prefill_graphs = PrefillGraphs(self)
 
     def grow(self, capacity: int) -> None:
         """Reallocate the talker cache with more positions per slot, keeping its contents."""
@@ -87,6 +90,7 @@ class ModelRunner:
         self.capacity = capacity
         if self.graphs is not None:          # captured graphs point at the old cache
             self.graphs = type(self.graphs)(self, self.graphs.batch_buckets, None)
+            self.prefill_graphs = type(self.prefill_graphs)(self)
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -116,14 +120,17 @@ class ModelRunner:
         starts = [int(self.lengths[s]) for s in slots]
         if any(st + n > self.capacity for st, n in zip(starts, sizes)):
             raise ValueError(f"prompt longer than the cache capacity {self.capacity}")
-        t = max(sizes)
-        x = torch.zeros(len(slots), t, chunks[0].shape[1], dtype=self.dtype, device=self.device)
-        for i, c in enumerate(chunks):
-            x[i, :sizes[i]] = c
         idx = torch.as_tensor(slots, dtype=torch.long, device=self.device)
         start = torch.as_tensor(starts, dtype=torch.long, device=self.device)
-        kmax = min(self.capacity, max(st + n for st, n in zip(starts, sizes)))
-        hidden = self.talker(x, self.cache, start, slots=idx, kmax=kmax)
+        hidden = None
+        if self.prefill_graphs is not None and len(slots) == 1 and starts[0] == 0:
+            hidden = self.prefill_graphs.run(slots[0], chunks[0].to(self.dtype))
+        if hidden is None:
+            x = torch.zeros(len(slots), max(sizes), chunks[0].shape[1], dtype=self.dtype, device=self.device)
+            for i, c in enumerate(chunks):
+                x[i, :sizes[i]] = c
+            kmax = min(self.capacity, max(st + n for st, n in zip(starts, sizes)))
+            hidden = self.talker(x, self.cache, start, slots=idx, kmax=kmax)
         self.lengths[slots] += sizes
         self.length[idx] = start + torch.as_tensor(sizes, dtype=torch.long, device=self.device)
         done = [i for i, f in enumerate(last) if f]

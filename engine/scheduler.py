@@ -290,12 +290,13 @@ class Scheduler:
 
     def warmup(self, max_live: Optional[int] = None) -> int:
         """Capture the decode step's CUDA graphs for every batch bucket and the kv buckets up to
-        `max_live` keys (default: all), before serving, so no session waits on a capture. Call before
-        `start`. Returns the number of graphs (0 without CUDA graphs)."""
+        `max_live` keys (default: all), the one-row prefills and the vocoder windows, before serving,
+        so no session waits on a capture. Call before `start`. Returns the number of graphs (0 without
+        CUDA graphs)."""
         if self.runner.graphs is None:
             return 0
         with torch.no_grad():
-            n = self.runner.graphs.capture(max_live)
+            n = self.runner.graphs.capture(max_live) + self.runner.prefill_graphs.capture()
             return n + (self.vocoder.graphs.capture() if self.vocoder.graphs is not None else 0)
 
     def __enter__(self) -> "Scheduler":
