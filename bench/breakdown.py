@@ -8,6 +8,7 @@ Times (CUDA events, median of `--reps`) on a runner whose B slots hold prompts o
   talker       one talker forward (B rows, 1 position)       \\
   predictor    the 15 code-predictor steps with sampling      } eager, to split step_eager
   sample       one talker logits processing + sampling        /
+  attention_us one talker layer's attention kernel per launch config (kernels.ATTENTION_CANDIDATES)
   vocoder_wN   VocoderStreams.decode of N frames for B streams, per frame (eager; _graph: replayed
                from the CUDA graphs the scheduler uses)
 
@@ -56,6 +57,25 @@ def kernel_count(fn) -> int:
     return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def attention_configs(model, runner, batch: int, reps: int) -> dict:
+    """Microseconds of one talker layer's `decode_attention` per launch config (the default first)."""
+    attn = model.talker.model.layers[0].self_attn
+    width = (attn.heads + 2 * attn.kv_heads) * attn.head_dim
+    qkv = torch.randn(batch, 1, width, device=model.device, dtype=model.dtype)
+    cache = runner.cache
+    start = runner.length[:batch]
+    out = {}
+    for config in [kernels.ATTENTION_CONFIG, *kernels.ATTENTION_CANDIDATES]:
+        name = "k{BLOCK_K}w{num_warps}s{num_stages}".format(**config)
+        try:
+            out[name] = 1000 * timed(lambda: kernels.decode_attention(
+                qkv, attn.heads, attn.kv_heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
+                model.talker.model.inv_freq, cache.k[0], cache.v[0], start, config), reps)
+        except Exception as e:        # a config this GPU cannot run
+            out[name] = f"{type(e).__name__}"
+    return out
+
+
 @torch.no_grad()
 def breakdown(model, batch: int, prompt: int, reps: int, windows: list[int]) -> dict:
     dev, dt = model.device, model.dtype
@@ -93,6 +113,7 @@ def breakdown(model, batch: int, prompt: int, reps: int, windows: list[int]) -> 
         runner.h[:batch], runner.c0[:batch], lambda lg, g: sample_subtalker(lg, g, frame, params), runner.cp_cache), reps)
     logits = torch.randn(batch, model.config.talker.vocab_size, device=dev)
     out["sample_ms"] = timed(lambda: sample_talker(runner.processor, logits, runner.seen[:batch], frame, params), reps)
+    out["attention_us"] = attention_configs(model, runner, batch, reps)
     streams = VocoderStreams(model.vocoder, batch)
     idx = torch.arange(batch, device=dev)
     graphs = VocoderGraphs(streams, windows)

@@ -397,10 +397,15 @@ def decode_attention_supports(head_dim: int) -> bool:
     return head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
+ATTENTION_CONFIG = dict(BLOCK_K=64, num_warps=4, num_stages=3)       # `decode_attention`'s launch
+ATTENTION_CANDIDATES = [dict(BLOCK_K=k, num_warps=w, num_stages=st)   # what bench/breakdown.py times
+                        for k in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3)]
+
+
 def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
                      k_norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
-                     block_keys: int = 64) -> torch.Tensor:
+                     config: dict | None = None) -> torch.Tensor:
     """The attention core of a decode forward in one kernel -> [B, T, heads * head_dim].
 
     qkv [B, T, (heads + 2 * kv_heads) * head_dim]: the fused QKV projection of T new positions
@@ -408,6 +413,8 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     [slots, capacity + 1, kv_heads, head_dim]. Q and K are RMS-normed per head and rotated (RoPE from
     the positions and inv_freq, fp32), the new K/V are written to the cache, and each query attends
     causally over keys 0 .. its own position. Reads exactly the row's live keys: no mask, no kv bucket.
+    config: keys per block and launch options (default ATTENTION_CONFIG; the cost depends on the live
+    lengths, which only a benchmark knows, so it is chosen there rather than timed at warm-up).
     """
     b, t, width = qkv.shape
     head_dim = k_cache.shape[-1]
@@ -416,13 +423,14 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     qkv = qkv.contiguous()
     g = heads // kv_heads
     out = torch.empty(b, t, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-    block = max(16, min(block_keys, triton.next_power_of_2(int(k_cache.shape[1]) - 1)))
+    config = config or ATTENTION_CONFIG
+    block = max(16, min(config["BLOCK_K"], triton.next_power_of_2(int(k_cache.shape[1]) - 1)))
     _decode_attention_kernel[(b, kv_heads)](
         qkv, out, k_cache, v_cache, start, q_norm_weight, k_norm_weight, inv_freq,
         qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.shape[1] - 1, eps, head_dim ** -0.5,
         T=t, G=g, HQ=heads, HKV=kv_heads, D=head_dim, M=max(16, triton.next_power_of_2(t * g)),
-        BLOCK_K=block, IEEE=qkv.dtype == torch.float32)
+        BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out
 
 
