@@ -13,7 +13,8 @@ runs with every row inactive, so it is safe while sessions are live.
 from __future__ import annotations
 
 import bisect
-from contextlib import contextmanager
+import contextlib
+
 
 import numpy as np
 import torch
@@ -151,7 +152,7 @@ class PrefillGraphs:
         return graph, out
 
 
-@contextmanager
+@contextlib.contextmanager
 def cudnn_autotuned():
     """cuDNN times its convolution algorithms for each shape it has not met (the warm-up run before a
     capture) and reuses the fastest. Only around captures: an eager window of a new shape would
@@ -171,8 +172,10 @@ class VocoderGraphs:
     reference) is decoded as a run of captured sizes, largest first (1 is always captured): the
     stateful decoder makes that the same audio, and no eager window of a new shape ever stalls the
     step (the first eager call of a shape took 0.16-0.8 s on an H200, as cuDNN prepared its kernels).
-    The captured windows use the convolution algorithms cuDNN found fastest by timing them at capture
-    (`cudnn_autotuned`): 21% off the vocoder at 256 streams on an H200 (bench/README.md).
+    The captured windows of the largest size (what carries the audio at steady state) use the
+    convolution algorithms cuDNN found fastest by timing them at capture (`cudnn_autotuned`): up to
+    21% off the vocoder at 256 streams on an H200 (bench/README.md); timing every size took the
+    server's warm-up to 95 s.
     """
 
     def __init__(self, streams, windows, batch_buckets=None):
@@ -215,11 +218,12 @@ class VocoderGraphs:
         slots, codes = self.slots[:bucket], self.codes[:bucket, :w]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad(), cudnn_autotuned():
+        tuned = cudnn_autotuned if w == self.windows[-1] else contextlib.nullcontext
+        with torch.cuda.stream(stream), torch.no_grad(), tuned():
             self.streams.decode(slots, codes)              # times the algorithms for these shapes
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad(), cudnn_autotuned():
+        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad(), tuned():
             out = self.streams.decode(slots, codes)        # takes the timed algorithms
         self.graphs[(bucket, w)] = (graph, out)
         return graph, out

@@ -1,7 +1,9 @@
 """Fused GPU kernels where a profile shows the time, each with the plain PyTorch op as its reference.
 
 - SnakeBeta is ~56% of the vocoder's GPU time as four separate elementwise kernels (PERF_NOTES.md);
-  one Triton kernel reads x once and writes y once.
+  one Triton kernel reads x once and writes y once. At many streams the vocoder is bound by passes
+  over its high-rate activations: a residual unit's conv biases are added in the kernels that read
+  the conv outputs anyway (the SnakeBeta after the first conv, the residual add after the second).
 - QK-norm + RoPE: per attention layer, RMSNorm of each q and k head followed by rotate-half RoPE is
   ~12 small kernels; one kernel per tensor does both (the prefill path).
 - The decode step (1 talker + 15 code-predictor forwards of 1-2 positions, 103 layers per frame) is
@@ -30,36 +32,83 @@ except ImportError:      # CPU-only installs
     triton = None
 
 
-def snake_beta_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor) -> torch.Tensor:
-    """x [B, C, T] + 1/(exp(beta) + 1e-9) * sin(x * exp(alpha))^2, per channel."""
+def snake_beta_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SnakeBeta of x [B, C, T] (plus a per-channel `bias` first, as a separate add would):
+    x + 1/(exp(beta) + 1e-9) * sin(x * exp(alpha))^2, per channel."""
+    if bias is not None:
+        x = x + bias[None, :, None]
     alpha = torch.exp(log_alpha)[None, :, None]
     beta = torch.exp(log_beta)[None, :, None]
     return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
 
 
+def bias_residual_reference(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x + (y + bias[c]) for [B, C, T] tensors: a residual branch's conv output y without its bias."""
+    return x + (y + bias[None, :, None])
+
+
 if triton is not None:
     @triton.jit
-    def _snake_beta_kernel(x_ptr, y_ptr, a_ptr, b_ptr, C, T, BLOCK: tl.constexpr):
+    def _snake_beta_kernel(x_ptr, y_ptr, a_ptr, b_ptr, bias_ptr, C, T, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)                      # one (batch, channel) row of T samples
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < T
         c = row % C
+        dtype = y_ptr.dtype.element_ty
         alpha = tl.exp(tl.load(a_ptr + c).to(tl.float32))
         inv_beta = 1.0 / (tl.exp(tl.load(b_ptr + c).to(tl.float32)) + 1e-9)
         x = tl.load(x_ptr + row * T + col, mask=mask).to(tl.float32)
+        if HAS_BIAS:                                # rounded, as the conv's own bias add rounds
+            x = (x + tl.load(bias_ptr + c).to(tl.float32)).to(dtype).to(tl.float32)
         s = tl.sin(x * alpha)
-        tl.store(y_ptr + row * T + col, (x + inv_beta * s * s).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + row * T + col, (x + inv_beta * s * s).to(dtype), mask=mask)
+
+    @triton.jit
+    def _bias_residual_kernel(x_ptr, y_ptr, out_ptr, bias_ptr, C, T, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < T
+        dtype = out_ptr.dtype.element_ty
+        y = tl.load(y_ptr + row * T + col, mask=mask).to(tl.float32)
+        y = (y + tl.load(bias_ptr + row % C).to(tl.float32)).to(dtype).to(tl.float32)
+        x = tl.load(x_ptr + row * T + col, mask=mask).to(tl.float32)
+        tl.store(out_ptr + row * T + col, (x + y).to(dtype), mask=mask)
 
 
-def snake_beta(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor) -> torch.Tensor:
+def _rows_grid(x: torch.Tensor, block: int) -> tuple[int, int]:
+    b, c, t = x.shape
+    return b * c, triton.cdiv(t, block)
+
+
+def snake_beta(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`snake_beta_reference` in one pass over x on CUDA."""
     if triton is None or not x.is_cuda:
-        return snake_beta_reference(x, log_alpha, log_beta)
+        return snake_beta_reference(x, log_alpha, log_beta, bias)
+    return snake_beta_triton(x, log_alpha, log_beta, bias)
+
+
+def snake_beta_triton(x, log_alpha, log_beta, bias=None) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)
-    b, c, t = x.shape
-    block = 1024
-    _snake_beta_kernel[(b * c, triton.cdiv(t, block))](x, y, log_alpha, log_beta, c, t, BLOCK=block)
+    _snake_beta_kernel[_rows_grid(x, 1024)](x, y, log_alpha, log_beta, x if bias is None else bias, x.shape[1],
+                                            x.shape[2], HAS_BIAS=bias is not None, BLOCK=1024)
     return y
+
+
+def bias_residual(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """`bias_residual_reference` in one pass on CUDA (instead of the bias add's pass, then the add's)."""
+    if triton is None or not x.is_cuda:
+        return bias_residual_reference(x, y, bias)
+    return bias_residual_triton(x, y, bias)
+
+
+def bias_residual_triton(x, y, bias) -> torch.Tensor:
+    x, y = x.contiguous(), y.contiguous()
+    out = torch.empty_like(x)
+    _bias_residual_kernel[_rows_grid(x, 1024)](x, y, out, bias, x.shape[1], x.shape[2], BLOCK=1024)
+    return out
 
 
 def qk_norm_rope_reference(x, weight, eps, cos, sin):

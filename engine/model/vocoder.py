@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import DecoderConfig
 from .layers import LayerScale, RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
-from .kernels import snake_beta
+from .kernels import bias_residual, snake_beta
 
 # Checkpoint tensors the decode path never reads (the RVQ input projections serve encoding only);
 # pass to `engine.weights.warn_unused(..., ignore_prefixes=...)` with the "decoder." prefix.
@@ -32,8 +32,16 @@ def _prepend_context(op: nn.Module, x: torch.Tensor, context: dict) -> torch.Ten
     return x
 
 
+MIN_CUDNN_OUT_CHANNELS = 16   # below this, cuDNN runs a conv with its slow generic kernel
+
+
 class CausalConv1d(nn.Module):
-    """Stride-1 conv whose left pad, (k-1)*dilation samples, is the previous input (zeros at the start)."""
+    """Stride-1 conv whose left pad, (k-1)*dilation samples, is the previous input (zeros at the start).
+
+    On CUDA a conv with fewer than 16 output channels (the vocoder's last, to 1 channel) runs with its
+    weight zero-padded to 16 and the extra channels dropped: cuDNN has only its generic kernel for so
+    few (implicit_convolve_sgemm, 22% of an 8-frame window for 256 streams on an H200).
+    """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1, groups: int = 1):
         super().__init__()
@@ -41,10 +49,18 @@ class CausalConv1d(nn.Module):
         self.context_len = (kernel_size - 1) * dilation
         self.context_shape = (in_channels, self.context_len)
 
-    def forward(self, x: torch.Tensor, context: dict) -> torch.Tensor:
-        if self.context_len == 0:
-            return self.conv(x)
-        return self.conv(_prepend_context(self, x, context))
+    def forward(self, x: torch.Tensor, context: dict, bias: bool = True) -> torch.Tensor:
+        """bias=False leaves the bias out (the caller adds it in a kernel it runs anyway)."""
+        if self.context_len:
+            x = _prepend_context(self, x, context)
+        conv = self.conv
+        weight, b = conv.weight, conv.bias if bias else None
+        pad = MIN_CUDNN_OUT_CHANNELS - conv.out_channels
+        if x.is_cuda and pad > 0 and conv.groups == 1:
+            weight = F.pad(weight, (0, 0, 0, 0, 0, pad))
+            b = None if b is None else F.pad(b, (0, pad))
+            return F.conv1d(x, weight, b, dilation=conv.dilation)[:, :conv.out_channels]
+        return F.conv1d(x, weight, b, dilation=conv.dilation, groups=conv.groups)
 
 
 class CausalConvTranspose1d(nn.Module):
@@ -76,8 +92,9 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return snake_beta(x, self.alpha, self.beta)
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """bias: a per-channel bias to add to x first (the preceding conv's, left out of it)."""
+        return snake_beta(x, self.alpha, self.beta, bias)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -106,8 +123,9 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv1d(dim, dim, 1)
 
     def forward(self, x: torch.Tensor, context: dict) -> torch.Tensor:
-        h = self.conv1(self.act1(x), context)
-        return x + self.conv2(self.act2(h), context)
+        """x + conv2(act2(conv1(act1(x)))), each conv's bias added by the kernel after it."""
+        h = self.act2(self.conv1(self.act1(x), context, bias=False), self.conv1.conv.bias)
+        return bias_residual(x, self.conv2(h, context, bias=False), self.conv2.conv.bias)
 
 
 class DecoderBlock(nn.Module):
