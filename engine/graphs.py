@@ -15,7 +15,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 
-
 import numpy as np
 import torch
 
