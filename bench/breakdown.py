@@ -8,7 +8,7 @@ Times (CUDA events, median of `--reps`) on a runner whose B slots hold prompts o
   talker       one talker forward (B rows, 1 position)       \\
   predictor    the 15 code-predictor steps with sampling      } eager, to split step_eager
   sample       one talker logits processing + sampling        /
-  attention_us one talker layer's attention kernel per launch config (kernels.ATTENTION_CANDIDATES)
+  attention_us one talker layer's attention kernel per launch config (kernels.ATTENTION_CONFIGS)
   vocoder_wN   VocoderStreams.decode of N frames for B streams, per frame (eager; _graph: replayed
                from the CUDA graphs the scheduler uses)
 
@@ -58,14 +58,15 @@ def kernel_count(fn) -> int:
 
 
 def attention_configs(model, runner, batch: int, reps: int) -> dict:
-    """Microseconds of one talker layer's `decode_attention` per launch config (the default first)."""
+    """Microseconds of one talker layer's `decode_attention` per launch config, on the runner's cache
+    (the kernel picks its config on a scratch cache of kernels.ATTENTION_TIMING_KEYS keys a row)."""
     attn = model.talker.model.layers[0].self_attn
     width = (attn.heads + 2 * attn.kv_heads) * attn.head_dim
     qkv = torch.randn(batch, 1, width, device=model.device, dtype=model.dtype)
     cache = runner.cache
     start = runner.length[:batch]
     out = {}
-    for config in [kernels.ATTENTION_CONFIG, *kernels.ATTENTION_CANDIDATES]:
+    for config in kernels.ATTENTION_CONFIGS:
         name = "k{BLOCK_K}w{num_warps}s{num_stages}".format(**config)
         try:
             out[name] = 1000 * timed(lambda: kernels.decode_attention(
@@ -113,6 +114,8 @@ def breakdown(model, batch: int, prompt: int, reps: int, windows: list[int]) -> 
         runner.h[:batch], runner.c0[:batch], lambda lg, g: sample_subtalker(lg, g, frame, params), runner.cp_cache), reps)
     logits = torch.randn(batch, model.config.talker.vocab_size, device=dev)
     out["sample_ms"] = timed(lambda: sample_talker(runner.processor, logits, runner.seen[:batch], frame, params), reps)
+    picked = [c for k, c in kernels._fastest_config.items() if k[0] == "attention" and k[1] == batch]
+    out["attention_picked"] = ["k{BLOCK_K}w{num_warps}s{num_stages}".format(**c) for c in picked]
     out["attention_us"] = attention_configs(model, runner, batch, reps)
     streams = VocoderStreams(model.vocoder, batch)
     idx = torch.arange(batch, device=dev)

@@ -26,14 +26,17 @@ def build(fn, types: dict, constants: dict, **options) -> None:
 def main() -> None:
     for dtype in ("bf16", "fp32"):
         p = "*" + dtype
-        for t, block_k in ((1, k.ATTENTION_CONFIG["BLOCK_K"]), (2, 16), (1, 16)):
-            build(k._decode_attention_kernel,
-                  dict(qkv_ptr=p, out_ptr=p, k_cache_ptr=p, v_cache_ptr=p, start_ptr="*i64", q_w_ptr=p,
-                       k_w_ptr=p, inv_freq_ptr="*fp32", stride_qkv_b="i32", stride_qkv_t="i32",
-                       stride_out_b="i32", stride_out_t="i32", stride_slot="i32", stride_pos="i32",
-                       capacity="i32", eps="fp32", scale="fp32"),
-                  dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, BLOCK_K=block_k, IEEE=dtype == "fp32"),
-                  num_warps=k.ATTENTION_CONFIG["num_warps"], num_stages=k.ATTENTION_CONFIG["num_stages"])
+        # every config `decode_attention` may time and pick, for the talker (bf16); the first in fp32,
+        # and the code predictor's short caches
+        for c in k.ATTENTION_CONFIGS[:None if dtype == "bf16" else 1]:
+            for t, block_k in ((1, c["BLOCK_K"]), (2, 16)):
+                build(k._decode_attention_kernel,
+                      dict(qkv_ptr=p, out_ptr=p, k_cache_ptr=p, v_cache_ptr=p, start_ptr="*i64", q_w_ptr=p,
+                           k_w_ptr=p, inv_freq_ptr="*fp32", stride_qkv_b="i32", stride_qkv_t="i32",
+                           stride_out_b="i32", stride_out_t="i32", stride_slot="i32", stride_pos="i32",
+                           capacity="i32", eps="fp32", scale="fp32"),
+                      dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, BLOCK_K=block_k, IEEE=dtype == "fp32"),
+                      num_warps=c["num_warps"], num_stages=c["num_stages"])
         build(k._rms_norm_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, N="i32", eps="fp32"), dict(BLOCK=1024))
         build(k._silu_mul_kernel, dict(x_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
         # every config `linear` may time and pick, with each epilogue the decode layers use (bf16);

@@ -446,9 +446,10 @@ def decode_attention_supports(head_dim: int) -> bool:
     return head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
-ATTENTION_CONFIG = dict(BLOCK_K=64, num_warps=4, num_stages=3)       # `decode_attention`'s launch
-ATTENTION_CANDIDATES = [dict(BLOCK_K=k, num_warps=w, num_stages=st)   # what bench/breakdown.py times
-                        for k in (32, 64, 128) for w in (2, 4, 8) for st in (2, 3)]
+ATTENTION_CONFIGS = [dict(BLOCK_K=k, num_warps=w, num_stages=st) for k, w, st in    # `decode_attention`
+                     ((64, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 3), (32, 2, 3), (128, 4, 3), (128, 8, 3),
+                      (128, 8, 2))]                                                  # times these
+ATTENTION_TIMING_KEYS = 256      # live keys per row on the scratch cache the configs are timed on
 
 
 def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
@@ -462,24 +463,42 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     [slots, capacity + 1, kv_heads, head_dim]. Q and K are RMS-normed per head and rotated (RoPE from
     the positions and inv_freq, fp32), the new K/V are written to the cache, and each query attends
     causally over keys 0 .. its own position. Reads exactly the row's live keys: no mask, no kv bucket.
-    config: keys per block and launch options (default ATTENTION_CONFIG; the cost depends on the live
-    lengths, which only a benchmark knows, so it is chosen there rather than timed at warm-up).
+    config: keys per block and launch options; by default the fastest of ATTENTION_CONFIGS for these
+    shapes, timed once on the GPU on a scratch cache of ATTENTION_TIMING_KEYS keys a row (the live
+    lengths at warm-up say nothing of the load, and timing must not write into live rows).
     """
     b, t, width = qkv.shape
     head_dim = k_cache.shape[-1]
     if width != (heads + 2 * kv_heads) * head_dim or not decode_attention_supports(head_dim):
         raise ValueError(f"decode_attention: unsupported shapes qkv {tuple(qkv.shape)}, cache {tuple(k_cache.shape)}")
     qkv = qkv.contiguous()
-    g = heads // kv_heads
     out = torch.empty(b, t, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-    config = config or ATTENTION_CONFIG
-    block = max(16, min(config["BLOCK_K"], triton.next_power_of_2(int(k_cache.shape[1]) - 1)))
-    _decode_attention_kernel[(b, kv_heads)](
-        qkv, out, k_cache, v_cache, start, q_norm_weight, k_norm_weight, inv_freq,
-        qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.shape[1] - 1, eps, head_dim ** -0.5,
-        T=t, G=g, HQ=heads, HKV=kv_heads, D=head_dim, M=max(16, triton.next_power_of_2(t * g)),
-        BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=config["num_warps"], num_stages=config["num_stages"])
+
+    def launch(c, k_cache=k_cache, v_cache=v_cache, start=start, out=out):
+        block = max(16, min(c["BLOCK_K"], triton.next_power_of_2(int(k_cache.shape[1]) - 1)))
+        _decode_attention_kernel[(b, kv_heads)](
+            qkv, out, k_cache, v_cache, start, q_norm_weight, k_norm_weight, inv_freq,
+            qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.shape[1] - 1, eps, head_dim ** -0.5,
+            T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim, M=max(16, triton.next_power_of_2(t * heads // kv_heads)),
+            BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+    scratch = []
+
+    def launch_on_scratch(c):
+        if not scratch:
+            keys = min(ATTENTION_TIMING_KEYS, k_cache.shape[1] - 1)
+            shape = (b, keys + 1, *k_cache.shape[2:])
+            scratch.extend([torch.randn(shape, dtype=k_cache.dtype, device=k_cache.device),
+                            torch.randn(shape, dtype=k_cache.dtype, device=k_cache.device),
+                            torch.full((b,), max(0, keys - t), dtype=start.dtype, device=start.device),
+                            torch.empty_like(out)])
+        launch(c, *scratch)
+
+    if config is None:
+        key = ("attention", b, t, heads, kv_heads, head_dim, qkv.dtype, k_cache.shape[1])
+        config = _fastest(key, ATTENTION_CONFIGS, launch_on_scratch)
+    launch(config)
     return out
 
 
