@@ -1,7 +1,7 @@
 """Correctness checks only a CUDA device can run: the CUDA-graph paths against the eager ones.
 
-- a one-row prefill replayed from its length bucket's graph (padded prompt) against the eager
-  prefill: hidden states, and the first code sampled from them;
+- prefills replayed from the one-row graphs of their length buckets (padded prompts; alone and three
+  admitted together) against the eager prefill: hidden states, and the first code sampled from them;
 - vocoder windows of sizes that have no graph (decoded as a run of captured sizes) against one eager
   streaming decode of the same frames;
 - a scheduler turn with every graph on against the same turn with none (greedy codes, audio).
@@ -31,16 +31,16 @@ def prefill_graph_vs_eager(model) -> dict:
     d = model.config.talker.transformer.hidden_size
     g = torch.Generator(device=model.device).manual_seed(0)
     rows = {}
+    prompt = lambda t: (torch.randn(t, d, device=model.device, generator=g.manual_seed(t)) * 0.1).to(model.dtype)  # noqa: E731
     for graphs in (True, False):
-        runner = ModelRunner(model, 2, 512)
+        runner = ModelRunner(model, 4, 512)
         if graphs:
             runner.use_cuda_graphs()
         out = []
-        for t in (7, 50, 200):
-            prompt = (torch.randn(t, d, device=model.device, generator=g.manual_seed(t)) * 0.1).to(model.dtype)
-            runner.admit([1], [SamplingParams(greedy=True)], [100])
-            runner.prefill([1], [prompt])
-            out.append((runner.h[1].clone(), int(runner.c0[1])))
+        for slots, sizes in (([1], [7]), ([1], [50]), ([1], [200]), ([0, 2, 3], [5, 40, 90])):
+            runner.admit(slots, [SamplingParams(greedy=True)] * len(slots), [100] * len(slots))
+            runner.prefill(slots, [prompt(t) for t in sizes])
+            out += [(runner.h[s].clone(), int(runner.c0[s])) for s in slots]
         rows[graphs] = out
     hidden = max(err(a[0], b[0])["max_abs"] for a, b in zip(rows[True], rows[False]))
     same_c0 = all(a[1] == b[1] for a, b in zip(rows[True], rows[False]))

@@ -99,12 +99,14 @@ class PrefillGraphs:
     at a time. Eagerly, the talker's 28 layers are ~600 small kernels launched from Python (~25 ms on
     an H200, most of a first chunk's time); replayed, they cost what the GPU takes. The prompt is
     right-padded to its bucket: the padding's K/V land after the prompt in the row's cache, where no
-    real query looks (causal) and the decode steps overwrite them. Rows of a batch, and chunks that
-    continue a long prompt, run eagerly.
+    real query looks (causal) and the decode steps overwrite them. Up to `max_rows` prompts admitted
+    together replay it one after the other; more rows, and chunks that continue a long prompt, run
+    eagerly.
     """
 
-    def __init__(self, runner, buckets=(16, 32, 64, 128, 256)):
+    def __init__(self, runner, buckets=(16, 32, 64, 128, 256), max_rows: int = 4):
         self.runner = runner
+        self.max_rows = max_rows
         self.buckets = [b for b in sorted(buckets) if b <= runner.capacity]
         hidden = runner.h.shape[1]
         self.x = torch.zeros(1, max(self.buckets, default=0), hidden, dtype=runner.dtype, device=runner.device)
@@ -113,14 +115,14 @@ class PrefillGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def run(self, slot: int, chunk: torch.Tensor) -> torch.Tensor | None:
-        """Hidden states [1, T, D] of the prompt chunk [T, D] prefilled into `slot` from position 0
-        (None when T is past the largest bucket)."""
+    def fits(self, positions: int) -> bool:
+        return bool(self.buckets) and positions <= self.buckets[-1]
+
+    def run(self, slot: int, chunk: torch.Tensor) -> torch.Tensor:
+        """Hidden states [1, T, D] of the prompt chunk [T, D] (T `fits`) prefilled into `slot` from
+        position 0; a view of the graph's output, valid until the next replay."""
         t = chunk.shape[0]
-        i = bisect.bisect_left(self.buckets, t)
-        if i == len(self.buckets):
-            return None
-        bucket = self.buckets[i]
+        bucket = self.buckets[bisect.bisect_left(self.buckets, t)]
         self.x[0, :t].copy_(chunk)
         self.x[0, t:bucket].zero_()
         self.slot.fill_(slot)
