@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build a random 0.6B folder, time our engine (breakdown + scheduler throughput),
-# then time the peer faster-qwen3-tts on the same folder, so every figure has a peer's beside it.
+# with the peer faster-qwen3-tts timed first on the same folder, so every figure has a peer's beside it
+# (the peer runs first: a call cut short still has it).
 # Run from the repo root on the GPU machine (see bench/README.md for the wheels it needs in .whl/).
 #   STAGES=model,breakdown,first_audio,throughput,ttfa,peer bash bench/gpu_suite.sh
 # Every stage appends its rows to $OUT/results.jsonl as it finishes; the logs come back as logs.tgz.
@@ -22,13 +23,15 @@ if has model; then
   python3 -m engine.testing.random_model --preset 0.6b --seed 0 --out "$MODEL" --bf16 > "$OUTD/model.log" 2>&1
   echo "model rc=$? at $((SECONDS-t0)) s"
 fi
+if has peer; then
+  OUT="$OUTD" PB_MODEL="$MODEL" PB_FRAMES=${FRAMES:-125} PB_FQ_MODES=${PB_FQ_MODES:-single} PB_FQ_CHUNKS=2 \
+    PB_FQ_TIMEOUT=200 PB_QT_BATCHES=${PB_QT_BATCHES:-1,64} PB_QT_REPS=${PB_QT_REPS:-1} PB_QT_TIMEOUT=150 \
+    bash .peers/run_all.sh ${PEER_STAGES:-fq517} > "$OUTD/peer.log" 2>&1
+  echo "peer rc=$? at $((SECONDS-t0)) s"
+fi
 if has checks; then
   timeout 200 python3 -m bench.gpu_checks --model-dir "$MODEL" --out "$R" > "$OUTD/checks.log" 2>&1
   echo "checks rc=$? at $((SECONDS-t0)) s"
-fi
-if has precision; then
-  timeout 200 python3 -m bench.precision --model-dir "$MODEL" --out "$R" > "$OUTD/precision.log" 2>&1
-  echo "precision rc=$? at $((SECONDS-t0)) s"
 fi
 if has breakdown; then
   timeout 240 python3 -m bench.breakdown --model-dir "$MODEL" --batches ${BATCHES_BREAKDOWN:-1,64,256} --out "$R" > "$OUTD/breakdown.log" 2>&1
@@ -38,10 +41,6 @@ if has first_audio; then
   timeout 120 python3 -m bench.first_audio --model-dir "$MODEL" --out "$R" > "$OUTD/first_audio.log" 2>&1
   echo "first_audio rc=$? at $((SECONDS-t0)) s"
 fi
-if has profile; then
-  timeout 150 python3 -m bench.profile_step --model-dir "$MODEL" --batch ${PROFILE_BATCH:-256} > "$OUTD/profile.log" 2>&1
-  echo "profile rc=$? at $((SECONDS-t0)) s"
-fi
 if has throughput; then
   timeout 300 python3 -m bench.throughput --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --out "$R" > "$OUTD/throughput.log" 2>&1
   echo "throughput rc=$? at $((SECONDS-t0)) s"
@@ -50,11 +49,13 @@ if has ttfa; then
   timeout 300 bash bench/ttfa_device.sh "$MODEL" "$R" > "$OUTD/ttfa.log" 2>&1
   echo "ttfa rc=$? at $((SECONDS-t0)) s"
 fi
-if has peer; then
-  OUT="$OUTD" PB_MODEL="$MODEL" PB_FRAMES=${FRAMES:-125} PB_FQ_MODES=${PB_FQ_MODES:-single} PB_FQ_CHUNKS=2 \
-    PB_FQ_TIMEOUT=200 PB_QT_BATCHES=${PB_QT_BATCHES:-1,64} PB_QT_REPS=${PB_QT_REPS:-1} PB_QT_TIMEOUT=150 \
-    bash .peers/run_all.sh ${PEER_STAGES:-fq517} > "$OUTD/peer.log" 2>&1
-  echo "peer rc=$? at $((SECONDS-t0)) s"
+if has precision; then
+  timeout 200 python3 -m bench.precision --model-dir "$MODEL" --out "$R" > "$OUTD/precision.log" 2>&1
+  echo "precision rc=$? at $((SECONDS-t0)) s"
+fi
+if has profile; then
+  timeout 150 python3 -m bench.profile_step --model-dir "$MODEL" --batch ${PROFILE_BATCH:-256} > "$OUTD/profile.log" 2>&1
+  echo "profile rc=$? at $((SECONDS-t0)) s"
 fi
 grep -h '"kind": "error"' "$R" 2>/dev/null | cut -c1-400
 python3 .peers/report.py "$R" 2>/dev/null

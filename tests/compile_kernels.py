@@ -59,8 +59,8 @@ def main() -> None:
         for config in k.SAMPLE_CONFIGS:
             build(k._sample_rows_kernel, dict(logits_ptr="*fp32", noise_ptr="*fp64", out_ptr="*i64",
                                               greedy_ptr="*i1", temperature_ptr="*fp32", top_k_ptr="*i64", V="i32",
-                                              stride_logits="i32", stride_noise="i32"), dict(BLOCK=block),
-                  **config)
+                                              stride_logits="i32", stride_noise="i32"),
+                  dict(BLOCK=block, RADIX_BITS=config["RADIX_BITS"]), num_warps=config["num_warps"])
 
 
 if __name__ == "__main__":

@@ -100,9 +100,13 @@ def test_fused_decode_samples_the_same_frames(tiny_model_dir, fused_model):
     torch.testing.assert_close(frames[1], frames[0], atol=0, rtol=0)
 
 
-def test_sample_rows_matches_plain_sampling(kernels):
+@pytest.mark.parametrize("radix_bits", [2, 4])
+def test_sample_rows_matches_plain_sampling(kernels, monkeypatch, radix_bits):
     """Greedy rows, temperatures, top-k of 0 (off), 1, 50 and past the vocab, suppressed (-inf) ids
-    and tied logits: the same ids as `sample` without top-p."""
+    and tied logits: the same ids as `sample` without top-p, with each top-k search the GPU may pick."""
+    configs = [c for c in kernels.SAMPLE_CONFIGS if c["RADIX_BITS"] == radix_bits]
+    assert configs
+    monkeypatch.setattr(kernels, "SAMPLE_CONFIGS", configs)        # the CPU takes the first
     from engine.sampling import gumbel_noise, sample
     g = torch.Generator().manual_seed(6)
     b = 5

@@ -504,23 +504,26 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
 
 if triton is not None:
     @triton.jit
-    def _kth_largest(x, k):
+    def _kth_largest(x, k, RADIX_BITS: tl.constexpr):
         """The k-th largest of the fp32 block x (k >= 1), found exactly without sorting: x's bits as
-        order-preserving integers in [0, 2^32), fixed two bits at a time from the top by counting."""
+        order-preserving integers in [0, 2^32), fixed RADIX_BITS bits at a time from the top by
+        counting the elements at or above each candidate digit (fewer rounds, wider counts)."""
+        RADIX: tl.constexpr = 1 << RADIX_BITS
         bits = x.to(tl.int32, bitcast=True)
         key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
-        digit = tl.arange(0, 4).to(tl.int64)
+        digit = tl.arange(0, RADIX).to(tl.int64)
         ans = k.to(tl.int64) * 0
-        for j in tl.static_range(16):
-            cand = ans + (digit << (30 - 2 * j))
+        for j in tl.static_range(32 // RADIX_BITS):
+            shift = 32 - RADIX_BITS * (j + 1)
+            cand = ans + (digit << shift)
             count = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), 1)
-            ans = ans + ((tl.sum((count >= k).to(tl.int32), 0) - 1).to(tl.int64) << (30 - 2 * j))
+            ans = ans + ((tl.sum((count >= k).to(tl.int32), 0) - 1).to(tl.int64) << shift)
         b = (ans - 2147483648).to(tl.int32)
         return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _sample_rows_kernel(logits_ptr, noise_ptr, out_ptr, greedy_ptr, temperature_ptr, top_k_ptr,
-                            V, stride_logits, stride_noise, BLOCK: tl.constexpr):
+                            V, stride_logits, stride_noise, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < V
@@ -531,13 +534,13 @@ if triton is not None:
             warped = tl.div_rn(logits, tl.load(temperature_ptr + row))     # IEEE division, as torch
             k = tl.load(top_k_ptr + row)
             k = tl.where(k > 0, tl.minimum(k, V), V).to(tl.int32)
-            warped = tl.where(warped < _kth_largest(warped, k), float("-inf"), warped)
+            warped = tl.where(warped < _kth_largest(warped, k, RADIX_BITS), float("-inf"), warped)
             noise = tl.load(noise_ptr + row * stride_noise + cols, mask=mask, other=0.0)
             pick = tl.argmax(warped.to(tl.float64) + noise, 0)
         tl.store(out_ptr + row, pick.to(tl.int64))
 
 
-SAMPLE_CONFIGS = [dict(num_warps=w) for w in (4, 8, 16, 2)]     # `sample_rows` times these
+SAMPLE_CONFIGS = [dict(num_warps=w, RADIX_BITS=r) for r in (2, 4) for w in (4, 8, 16, 2)]  # `sample_rows` times these
 
 
 def sample_rows(logits: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor,
@@ -550,6 +553,7 @@ def sample_rows(logits: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor,
 
     def launch(c):
         _sample_rows_kernel[(b,)](logits, noise, out, greedy, temperature, top_k, v, logits.stride(0),
-                                  noise.stride(0), BLOCK=triton.next_power_of_2(v), num_warps=c["num_warps"])
+                                  noise.stride(0), BLOCK=triton.next_power_of_2(v), RADIX_BITS=c["RADIX_BITS"],
+                                  num_warps=c["num_warps"])
     launch(_fastest(("sample_rows", v), SAMPLE_CONFIGS, launch))
     return out
