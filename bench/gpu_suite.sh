@@ -10,7 +10,8 @@ OUTD=${OUT:-/tmp/bench_out}; mkdir -p "$OUTD"
 STAGES=${STAGES:-model,breakdown,throughput,peer}
 MODEL=${MODEL:-/tmp/rand06b}
 R="$OUTD/results.jsonl"
-has() { [[ ",$STAGES," == *",$1,"* ]]; }
+# DEADLINE: seconds after which no further stage starts (a device call's time is counted).
+has() { [[ ",$STAGES," == *",$1,"* ]] && { (( SECONDS - t0 < ${DEADLINE:-100000} )) || { echo "$1 skipped: past DEADLINE"; false; }; }; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 t0=$SECONDS
 # Server-side packages the GPU image lacks (starlette, uvicorn, websockets, soundfile, soxr).
