@@ -42,11 +42,15 @@ def prefill_graph_vs_eager(model) -> dict:
             runner.prefill(slots, [prompt(t) for t in sizes])
             out += [(runner.h[s].clone(), int(runner.c0[s])) for s in slots]
         rows[graphs] = out
-    hidden = max(err(a[0], b[0])["max_abs"] for a, b in zip(rows[True], rows[False]))
+    errors = [err(a[0], b[0]) for a, b in zip(rows[True], rows[False])]
+    hidden = max(e["max_abs"] for e in errors)
+    rel = max(e["rel_rms"] for e in errors)
     same_c0 = sum(a[1] == b[1] for a, b in zip(rows[True], rows[False])) / len(rows[True])
     # padding changes the GEMM shapes, so bf16 rounding may differ: the first codes are reported (random
-    # weights leave near-tied logits), the hidden states are the check
-    return dict(check="prefill_graph_vs_eager", hidden_max_abs=hidden, same_first_code=same_c0, ok=hidden < 0.05)
+    # weights leave near-tied logits); the check is the hidden states' relative error, which bf16
+    # rounding keeps near 1e-2 (bf16 against fp32: 1.3e-2 for the prefill logits) and a bug does not
+    return dict(check="prefill_graph_vs_eager", hidden_max_abs=hidden, hidden_rel_rms=rel, same_first_code=same_c0,
+                ok=rel < 0.03)
 
 
 def vocoder_runs_vs_eager(model) -> dict:
@@ -62,7 +66,9 @@ def vocoder_runs_vs_eager(model) -> dict:
         pieces.append(graphs.decode(idx, codes[:, t:t + w]).clone())
         t += w
     e = err(torch.cat(pieces, dim=1), reference)
-    return dict(check="vocoder_runs_vs_eager", **e, ok=e["max_abs"] < 0.02 * max(e["ref_max"], 1e-3))
+    # the graphs use the convolution algorithms cuDNN timed fastest, eager its heuristics': bf16
+    # rounding apart (bf16 against fp32: 1.7e-2 relative RMS), not more
+    return dict(check="vocoder_runs_vs_eager", **e, ok=e["rel_rms"] < 0.03)
 
 
 def scheduler_graphs_vs_eager(model) -> dict:
