@@ -13,7 +13,8 @@
   memory bandwidth; `linear` streams them in one skinny kernel (tensor-core tiles, or for 1-2 rows a
   CUDA-core one, whichever times fastest on the device) that also does the RMSNorm before the GEMM
   and the SwiGLU gate or the residual add after it: 5 kernels a layer. Past 16 rows the GEMMs are
-  cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own: 8 a layer.
+  cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own and the residual add in
+  addmm (which first copies the residual: 10 kernels a layer).
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
   plain ops, 16 times a frame; `sample_rows` is one.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.

@@ -244,7 +244,7 @@ class DecoderStack(nn.Module):
 
     def _decode(self, x, cache, start):
         """`forward` for decode steps (rows = slots 0..B-1, T <= 2): the same math in 5 kernels a
-        layer at up to 16 rows (8 beyond), the norms, gate and residual adds folded into the GEMMs and
+        layer at up to 16 rows (10 beyond), the norms, gate and residual adds folded into the GEMMs and
         the attention core in one kernel. Attention reads each row's live keys: kmax plays no part."""
         for i, layer in enumerate(self.layers):
             x = layer.decode(x, cache, i, start, self.inv_freq)
