@@ -17,7 +17,6 @@ Times (CUDA events, median of `--reps`) on a runner whose B slots hold prompts o
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
@@ -30,6 +29,7 @@ from engine.graphs import VocoderGraphs
 from engine.model import kernels
 from engine.model.vocoder import VocoderStreams
 from bench.precision import set_fused_decode
+from bench.results import emit
 
 
 def timed(fn, reps: int) -> float:
@@ -145,10 +145,7 @@ def main() -> None:
     for b in (int(x) for x in args.batches.split(",")):
         row = {"peer": "qwen3-tts-server", "kind": "breakdown", "dtype": args.dtype, "skinny_rows": args.skinny_rows,
                **breakdown(model, b, args.prompt, args.reps, [int(w) for w in args.windows.split(",")])}
-        print("RESULT", json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, args.out)
         torch.cuda.empty_cache()
 
 

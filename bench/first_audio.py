@@ -11,7 +11,6 @@ audio chunk; the steady-state row averages the iterations after it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -21,6 +20,7 @@ import torch
 from engine.loader import load_model
 from engine.requests import SamplingParams, SpeechRequest
 from engine.scheduler import Scheduler
+from bench.results import emit
 
 PHASES = ("_apply_commands", "_admit", "_prefill", "_step", "_vocode")
 TEXT = "Please remember to bring your umbrella tomorrow, because the forecast says it will rain all afternoon."
@@ -94,10 +94,7 @@ def main() -> None:
     best = min(rows, key=lambda r: r["first_audio_ms"])
     row = {"peer": "qwen3-tts-server", "kind": "first_audio", "device": args.device, "dtype": args.dtype,
            "first_audio_ms_median": statistics.median(r["first_audio_ms"] for r in rows), **best}
-    print("RESULT", json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    emit(row, args.out)
 
 
 if __name__ == "__main__":

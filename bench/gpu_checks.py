@@ -12,7 +12,6 @@ Each check prints a RESULT row with its errors and `ok`; the exit status is 1 if
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import numpy as np
@@ -25,6 +24,7 @@ from engine.model.vocoder import VocoderStreams
 from engine.requests import SamplingParams, SpeechRequest
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
+from bench.results import emit
 
 
 def prefill_graph_vs_eager(model) -> dict:
@@ -98,10 +98,7 @@ def main() -> int:
     for check in (prefill_graph_vs_eager, vocoder_runs_vs_eager, scheduler_graphs_vs_eager):
         row = {"peer": "qwen3-tts-server", "kind": "gpu_check", "dtype": args.dtype, **check(model)}
         ok &= row["ok"]
-        print("RESULT", json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, args.out)
     return 0 if ok else 1
 
 

@@ -13,7 +13,6 @@ codes.
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 import torch
@@ -22,6 +21,7 @@ from engine.loader import load_model
 from engine.model.kernels import snake_beta, snake_beta_reference
 from engine.requests import SamplingParams, SpeechRequest
 from engine.synth import synthesize
+from bench.results import emit
 
 
 def err(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -138,10 +138,7 @@ def main() -> None:
                       "agree_all": float((a == b).mean()),
                       "first_differing_frame": int(differ[0]) if len(differ) else None}
     row = {"peer": "qwen3-tts-server", "kind": "precision", **rows}
-    print("RESULT", json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    emit(row, args.out)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from collections import Counter
 from websockets.asyncio.client import connect
 
 from bench.throughput import FRAME_S, TEXTS
+from bench.results import emit
 
 WS_PATH = "/v1/audio/speech/ws"
 
@@ -84,10 +85,7 @@ def main() -> None:
     for count in (int(c) for c in args.sessions.split(",")):
         row = {"peer": "qwen3-tts-server", "kind": "run", "mode": "websocket", "tag": args.tag,
                "url": args.url, "frames": args.frames, **asyncio.run(run(args.url, count, args.frames))}
-        print("RESULT", json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, args.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Rows are JSON lines in the format of ../shared/peers (peer "qwen3-tts-server"), 
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 
@@ -24,6 +23,7 @@ import torch
 from engine.loader import load_model
 from engine.requests import SamplingParams, SpeechRequest
 from engine.scheduler import Scheduler
+from bench.results import emit
 
 FRAME_S = 0.08
 TEXTS = [
@@ -98,18 +98,14 @@ def main() -> None:
     print(f"warm-up: {graphs} CUDA graphs in {time.perf_counter() - t:.1f} s", flush=True)
     scheduler.start()
 
-    def emit(row: dict) -> None:
-        row = {"peer": "qwen3-tts-server", "tag": args.tag, **row}
-        print("RESULT", json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+    def emit_row(row: dict) -> None:
+        emit({"peer": "qwen3-tts-server", "tag": args.tag, **row}, args.out)
 
     try:
         run_batch(scheduler, model, voice, min(batches), 8, 10_000)      # warm-up (graphs, allocator)
         if cuda:
             torch.cuda.synchronize()
-            emit(dict(kind="memory", idle_alloc_gib=gib(torch.cuda.memory_allocated()),
+            emit_row(dict(kind="memory", idle_alloc_gib=gib(torch.cuda.memory_allocated()),
                       idle_reserved_gib=gib(torch.cuda.memory_reserved())))
         for b in batches:
             for rep in range(args.reps):
@@ -119,7 +115,7 @@ def main() -> None:
                 if cuda:
                     row["max_alloc_gib"] = gib(torch.cuda.max_memory_allocated())
                     row["max_reserved_gib"] = gib(torch.cuda.max_memory_reserved())
-                emit(dict(kind="run", mode="scheduler", rep=rep, device=args.device, dtype=args.dtype, **row,
+                emit_row(dict(kind="run", mode="scheduler", rep=rep, device=args.device, dtype=args.dtype, **row,
                           step_ms=scheduler.stats().last_step_ms))
     finally:
         scheduler.stop()
