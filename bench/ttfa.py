@@ -8,7 +8,10 @@ turns of about `--text-chars` characters, one after another, and measures on the
 - real-time factor: the turn's audio seconds / (turn.done time - send time);
 - underruns: a listener starts playing at the first audio and plays in real time; an audio message
   that arrives after everything before it has finished playing is an underrun (playback resumes then).
-Prints p50/p95/p99 TTFA, RTF and underrun totals; `--json` writes every turn as well.
+Prints p50/p95/p99 TTFA, RTF and underrun totals; `--json` writes every turn as well. The server's own
+underrun count over the run (`qwen3_tts_underruns_total` of /metrics: chunks ready after the audio
+before them would have played) is reported beside the client's, which also counts the client's and
+the network's delays.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import json
 import random
 import sys
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Optional
 from urllib.parse import urlsplit, urlunsplit
@@ -32,6 +36,24 @@ SENTENCES = [
     "Please call me back when you have a moment to talk.", "The weather today is sunny with a light breeze.",
     "Our meeting has been moved to three o'clock on Thursday.", "Thank you for waiting, your order is on its way.",
 ]
+
+
+def server_underruns(url: str, api_key: Optional[str]) -> Optional[float]:
+    """qwen3_tts_underruns_total from the server's /metrics (None if it cannot be read)."""
+    parts = urlsplit(url)
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme)
+    request = urllib.request.Request(urlunsplit((scheme, parts.netloc, "/metrics", "", "")))
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("qwen3_tts_underruns_total "):
+            return float(line.split()[1])
+    return None
 
 
 def ws_url(url: str) -> str:
@@ -164,6 +186,7 @@ async def run(args) -> dict:
     rng = random.Random(args.seed)
     results: list[TurnStats] = []
     tasks = []
+    before = await asyncio.to_thread(server_underruns, args.url, args.api_key)
     t0 = time.perf_counter()
     for i in range(args.sessions):
         tasks.append(asyncio.create_task(run_session(i, args, random.Random(rng.random()), results)))
@@ -171,8 +194,11 @@ async def run(args) -> dict:
             await asyncio.sleep(rng.expovariate(args.rate))
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
+    summary = summarize(results, wall)
+    after = await asyncio.to_thread(server_underruns, args.url, args.api_key)
+    summary["server_underruns"] = after - before if None not in (before, after) else None
     return {"config": {k: v for k, v in vars(args).items() if k not in ("api_key", "json")},
-            "summary": summarize(results, wall), "turns": [asdict(r) for r in results]}
+            "summary": summary, "turns": [asdict(r) for r in results]}
 
 
 def print_summary(summary: dict) -> None:
@@ -182,7 +208,9 @@ def print_summary(summary: dict) -> None:
     print(f"TTFA ms (client): {fmt(summary['ttfa_ms'])}")
     print(f"TTFA ms (server): {fmt(summary['server_ttfa_ms'])}")
     print(f"RTF per turn:     {fmt(summary['rtf'])}")
-    print(f"underruns {summary['underruns']} in {summary['turns_with_underruns']} turns; "
+    server = summary.get("server_underruns")
+    print(f"underruns {summary['underruns']} in {summary['turns_with_underruns']} turns "
+          f"(server-side: {'-' if server is None else int(server)}); "
           f"audio {summary['audio_s']:.1f} s in {summary['wall_s']:.1f} s (aggregate x{summary['aggregate_rtf']:.1f})")
 
 

@@ -36,9 +36,20 @@ def test_bench_against_a_server(tiny_model_dir, tmp_path):
         report = asyncio.run(ttfa.run(ns))
     s = report["summary"]
     assert s["turns"] == s["turns_ok"] == 12 and not s["errors"]
-    assert s["underruns"] == 0
+    assert s["underruns"] == 0 and s["server_underruns"] == 0
     assert s["audio_s"] == pytest.approx(12 * 10 * 0.08)
     assert 0 < s["ttfa_ms"]["p50"] <= s["ttfa_ms"]["p95"] <= s["ttfa_ms"]["p99"] < 2000
     assert all(t["rtf"] > 1 for t in report["turns"])
     turns = [r for r in fake.submitted if r.request_id != "warmup"]
     assert len(turns) == 12 and all(r.sampling.greedy for r in turns)
+
+
+def test_bench_reports_the_servers_underruns_beside_its_own(tiny_model_dir, tmp_path):
+    # 1-frame chunks (80 ms of audio) every 200 ms: every chunk after the first comes late
+    fake = FakeScheduler(load_model(tiny_model_dir), capacity=8, frames=4, frames_per_chunk=1, step_s=0.2)
+    with ServerThread(Settings(voices_dir=str(tmp_path)), scheduler=fake) as srv:
+        ns = argparse.Namespace(url=srv.url, sessions=1, rate=0.0, turns=1, text_chars=20, max_frames=None,
+                                fixed_length=False, temperature=0.0, voice=None, encoding="pcm_s16le",
+                                sample_rate=24000, api_key=None, timeout=30.0, seed=1, json=None)
+        s = asyncio.run(ttfa.run(ns))["summary"]
+    assert s["underruns"] == 3 and s["server_underruns"] == 3
