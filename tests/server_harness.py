@@ -121,7 +121,7 @@ class _FakeHandle:
         self.text_event.set()
 
     async def _run(self) -> None:
-        f, t0 = self.fake, time.monotonic()
+        f = self.fake
         frames = samples = 0
         try:
             while not self.text_done and not self.cancelled:

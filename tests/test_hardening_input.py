@@ -11,7 +11,6 @@ import base64
 import io
 import json
 import math
-import threading
 import time
 import urllib.parse
 
@@ -26,7 +25,7 @@ from websockets.exceptions import ConnectionClosed
 
 from app.service import Settings
 from engine.loader import load_model
-from server_harness import FakeScheduler, ServerThread, next_event, ref_wav_b64
+from server_harness import FakeScheduler, ServerThread
 
 SPEECH = "/v1/audio/speech"
 FRAMES = 3

@@ -272,7 +272,7 @@ def test_replicas_found_by_dns_come_and_go():
         del asyncio.get_running_loop().getaddrinfo
 
         # and end to end, a real name on loopback
-        (app_a, a), = [fake_replica()]
+        app_a, _ = fake_replica()
         async with Served(app_a) as ra:
             router = Router(Pool(discover=[f"127.0.0.1:{ra.url.rsplit(':', 1)[1]}"], interval=0.05))
             async with Served(router) as front:
@@ -386,7 +386,7 @@ def test_rest_is_streamed_and_a_full_replica_is_skipped():
 
 def test_router_drains_on_first_signal():
     async def main():
-        (app_a, a), = [fake_replica()]
+        app_a, _ = fake_replica()
         async with Served(app_a) as ra:
             router = make_router(ra)
             async with Served(router, drain_timeout=30) as front:

@@ -1,5 +1,4 @@
 """Logits processing (MODEL.md 6.2 / 6.3) and seeded, batch-invariant sampling."""
-import math
 
 import pytest
 import torch

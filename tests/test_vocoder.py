@@ -10,7 +10,6 @@ fp32 vs fp64 of one unchunked decode -- so fp32 streaming is held to the golden 
 """
 import copy
 
-import numpy as np
 import pytest
 import torch
 
