@@ -30,6 +30,20 @@ def _kv_buckets(capacity: int) -> list[int]:
     return out + [capacity]
 
 
+def capture_graph(forward, pool, context=contextlib.nullcontext):
+    """(graph, output) of `forward()` captured from the memory pool `pool`, after one eager run on a
+    side stream (lazy inits, the allocator, cuBLAS and cuDNN choices), both under `context()`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad(), context():
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), torch.no_grad(), context():
+        out = forward()
+    return graph, out
+
+
 class StepGraphs:
     def __init__(self, runner, batch_buckets=None, kv_buckets=None):
         self.runner = runner
@@ -80,16 +94,8 @@ class StepGraphs:
         b, k = key[0], key[1]
         runner = self.runner
         self.act[:b] = False                      # every row inactive: capturing changes no state
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            runner.decode(b, k, self.act[:b], self.text[:b])   # warm-up: lazy inits, allocator, cuBLAS
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
-            out = runner.decode(b, k, self.act[:b], self.text[:b])
-        self.graphs[key] = (graph, out)
-        return graph, out
+        self.graphs[key] = capture_graph(lambda: runner.decode(b, k, self.act[:b], self.text[:b]), self.pool)
+        return self.graphs[key]
 
 
 class PrefillGraphs:
@@ -140,17 +146,9 @@ class PrefillGraphs:
         """Capturing writes the padding's K/V into slot `self.slot` (the slot being prefilled, or
         slot 0 before serving), which the prefill then overwrites."""
         runner = self.runner
-        forward = lambda: runner.talker(self.x[:, :bucket], runner.cache, self.start, slots=self.slot, kmax=bucket)  # noqa: E731
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
-            out = forward()
-        self.graphs[bucket] = (graph, out)
-        return graph, out
+        self.graphs[bucket] = capture_graph(
+            lambda: runner.talker(self.x[:, :bucket], runner.cache, self.start, slots=self.slot, kmax=bucket), self.pool)
+        return self.graphs[bucket]
 
 
 @contextlib.contextmanager
@@ -217,14 +215,7 @@ class VocoderGraphs:
     def _capture(self, bucket: int, w: int):
         self.slots[:bucket].fill_(self.streams.pad_slot)    # capture touches only the spare slot's state
         slots, codes = self.slots[:bucket], self.codes[:bucket, :w]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        # the largest windows: the eager run times cuDNN's algorithms, the capture takes the fastest
         tuned = cudnn_autotuned if w == self.windows[-1] else contextlib.nullcontext
-        with torch.cuda.stream(stream), torch.no_grad(), tuned():
-            self.streams.decode(slots, codes)              # times the algorithms for these shapes
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), torch.no_grad(), tuned():
-            out = self.streams.decode(slots, codes)        # takes the timed algorithms
-        self.graphs[(bucket, w)] = (graph, out)
-        return graph, out
+        self.graphs[(bucket, w)] = capture_graph(lambda: self.streams.decode(slots, codes), self.pool, tuned)
+        return self.graphs[(bucket, w)]
