@@ -33,12 +33,12 @@ class Metrics:
         self.audio_seconds = Counter(PREFIX + "audio_seconds", "Seconds of audio produced", registry=r)
         self.underruns = Counter(PREFIX + "underruns", "Chunks ready after the audio before them had finished playing",
                                  registry=r)
-        self.gpu_memory = Gauge(PREFIX + "gpu_memory_bytes", "GPU memory held by PyTorch", ["kind"], registry=r)
+        self.gpu_memory = Gauge(PREFIX + "gpu_memory_bytes", "GPU memory held by PyTorch (all tensors, the allocator's total, the talker KV cache's pages)", ["kind"], registry=r)
 
     def watch(self, queue_depth: Callable[[], float], gpu_memory: Callable[[str], float]) -> None:
         """Gauges computed when scraped."""
         self.queue_depth.set_function(queue_depth)
-        for kind in ("allocated", "reserved"):
+        for kind in ("allocated", "reserved", "kv_cache"):
             self.gpu_memory.labels(kind).set_function(lambda kind=kind: gpu_memory(kind))
 
     def observe_step(self, batch: int, seconds: float) -> None:

@@ -83,21 +83,17 @@ def pick_dtype(name: Optional[str], device: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def kv_bytes_per_position(model) -> int:
-    t = model.config.talker.transformer
-    return t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * torch.finfo(model.dtype).bits // 8
+KV_CACHE_SHARE = 0.7     # of the GPU memory free before warm-up, at most for the talker cache's pages
 
 
 def size_engine(model, max_batch: Optional[int]) -> tuple[int, Optional[int]]:
-    """(max_batch, max_capacity) for the scheduler. On a GPU both come from free memory: slots for
-    turns of ~2048 frames at 70% of it, and a cache capacity that fits all slots at once."""
+    """(max_batch, max_cache_bytes) for the scheduler: 16 slots on the CPU, 256 on a GPU; on a GPU
+    the talker cache's pages may take up to KV_CACHE_SHARE of the free memory (they are taken as
+    turns need them, so an idle server holds little of it)."""
     if model.device.type != "cuda":
         return max_batch or 16, None
     free, _ = torch.cuda.mem_get_info(model.device)
-    per_position = kv_bytes_per_position(model) * 1.5      # vocoder state and activations on top
-    budget = free * 0.7
-    batch = max_batch or max(1, min(256, int(budget // (2048 * per_position))))
-    return batch, max(1024, int(budget // (batch * per_position)))
+    return max_batch or 256, int(free * KV_CACHE_SHARE)
 
 
 class Service:
@@ -155,8 +151,8 @@ class Service:
         model_dir = self._demo_model() if s.demo else s.model_dir
         log.info("loading %s on %s (%s)", model_dir, device, dtype)
         model = load_model(model_dir, device, dtype)
-        max_batch, max_capacity = size_engine(model, s.max_batch)
-        scheduler = Scheduler(model, max_batch, max_capacity=max_capacity, max_queue=s.max_queue)
+        max_batch, max_cache_bytes = size_engine(model, s.max_batch)
+        scheduler = Scheduler(model, max_batch, max_cache_bytes=max_cache_bytes, max_queue=s.max_queue)
         if s.warmup:     # CUDA graphs are captured before the engine thread exists: nothing runs beside a capture
             t0 = time.monotonic()
             n = scheduler.warmup(WARMUP_KV_KEYS)
@@ -298,6 +294,8 @@ class Service:
         return out
 
     def _gpu_memory(self, kind: str) -> float:
+        if kind == "kv_cache":
+            return float(self.scheduler.stats().kv_cache_bytes) if self.scheduler is not None else 0.0
         if not torch.cuda.is_available():
             return 0.0
         return float(torch.cuda.memory_allocated() if kind == "allocated" else torch.cuda.memory_reserved())

@@ -87,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
     model = load_model(args.model_dir, device=args.device, dtype=getattr(torch, args.dtype))
     voice = model.make_voice(np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1, 24000)
-    scheduler = Scheduler(model, max_batch=1, capacity=512)
+    scheduler = Scheduler(model, max_batch=1)
     scheduler.warmup()
     one_turn(scheduler, voice, 8, 0)     # allocator, lazy inits
     rows = [one_turn(scheduler, voice, args.frames, rep + 1) for rep in range(args.reps)]

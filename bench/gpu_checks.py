@@ -4,7 +4,8 @@
   admitted together) against the eager prefill: hidden states, and the first code sampled from them;
 - vocoder windows of sizes that have no graph (decoded as a run of captured sizes) against one eager
   streaming decode of the same frames;
-- a scheduler turn with every graph on against the same turn with none (greedy codes, audio).
+- a scheduler turn with every graph on against the same turn with none (greedy codes, audio);
+- a greedy turn before and after the KV cache's pages were handed back and taken again elsewhere.
 Each check prints a RESULT row with its errors and `ok`; the exit status is 1 if any is not ok.
 
     python -m bench.gpu_checks --model-dir /tmp/rand06b
@@ -75,7 +76,7 @@ def scheduler_graphs_vs_eager(model) -> dict:
     voice = model.make_voice(np.random.default_rng(0).standard_normal(48000).astype(np.float32) * 0.1, 24000)
     out = {}
     for graphs in (True, False):
-        with Scheduler(model, 4, capacity=512, keep_codes=True, cuda_graphs=graphs) as s:
+        with Scheduler(model, 4, keep_codes=True, cuda_graphs=graphs) as s:
             h = s.submit(SpeechRequest(text="A short check of the graphs against the eager path.", voice=voice,
                                        language="english", sampling=SamplingParams(greedy=True, min_new_tokens=32), max_frames=30))
             chunks, result = h.collect(timeout=300)
@@ -84,6 +85,34 @@ def scheduler_graphs_vs_eager(model) -> dict:
     return dict(check="scheduler_graphs_vs_eager", codes_equal=codes_equal, frames=int(out[True][0].shape[0]),
                 samples=[len(out[True][1]), len(out[False][1])],
                 ok=len(out[True][1]) == len(out[False][1]) and out[True][0].shape == out[False][0].shape)
+
+
+def kv_pages_come_and_go(model) -> dict:
+    """The KV cache's pages are taken, handed back and taken again at other addresses (NaN-filled
+    memory in between) under the captured graphs: a greedy turn gives the same codes before and after."""
+    voice = model.make_voice(np.random.default_rng(1).standard_normal(48000).astype(np.float32) * 0.1, 24000)
+
+    def turn(s, text, frames=40):
+        return s.submit(SpeechRequest(text=text, voice=voice, language="english", max_frames=frames,
+                                      sampling=SamplingParams(greedy=True, min_new_tokens=frames)))
+
+    with Scheduler(model, 4, keep_codes=True) as s:
+        text = "The same turn before and after the cache's pages changed."
+        before = turn(s, text).collect(timeout=300)[1].codes
+        others = [turn(s, f"Other turn number {i} keeps the cache busy.", 120) for i in range(12)]
+        for h in others:
+            h.collect(timeout=300)
+        peak = s.stats().kv_cache_bytes
+        cache = s.runner.cache                     # the engine thread is idle now
+        freed = cache.trim(0)
+        torch.cuda.empty_cache()
+        filler = torch.full((freed // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        after = turn(s, text).collect(timeout=300)[1].codes
+        del filler
+        held = s.stats().kv_cache_bytes
+    equal = before.shape == after.shape and bool((before == after).all())
+    return dict(check="kv_pages_come_and_go", frames=int(before.shape[0]), codes_equal=equal,
+                kv_cache_mib=[peak >> 20, held >> 20], freed_mib=freed >> 20, ok=equal and freed > 0)
 
 
 @torch.no_grad()
@@ -95,7 +124,7 @@ def main() -> int:
     args = ap.parse_args()
     model = load_model(args.model_dir, device="cuda", dtype=getattr(torch, args.dtype))
     ok = True
-    for check in (prefill_graph_vs_eager, vocoder_runs_vs_eager, scheduler_graphs_vs_eager):
+    for check in (prefill_graph_vs_eager, vocoder_runs_vs_eager, scheduler_graphs_vs_eager, kv_pages_come_and_go):
         row = {"peer": "qwen3-tts-server", "kind": "gpu_check", "dtype": args.dtype, **check(model)}
         ok &= row["ok"]
         emit(row, args.out)

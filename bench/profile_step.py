@@ -70,7 +70,7 @@ def main() -> None:
     from engine.scheduler import Scheduler
     import numpy as np
     voice = model.make_voice(np.random.default_rng(0).standard_normal(48000).astype(np.float32) * 0.1, 24000)
-    sched = Scheduler(model, b, capacity=320)
+    sched = Scheduler(model, b)
     sched.warmup(max_live=256)
     handles = [sched.submit(SpeechRequest(text="The quick brown fox jumps over the lazy dog.", voice=voice,
                                           sampling=SamplingParams(seed=i, min_new_tokens=10 ** 6), max_frames=100))

@@ -91,8 +91,7 @@ def main() -> None:
     ref = np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1
     voice = model.make_voice(ref, 24000)
     cuda = torch.device(args.device).type == "cuda"
-    scheduler = Scheduler(model, max_batch=max(batches), window_frames=tuple(int(w) for w in args.window.split(",")),
-                          capacity=args.frames + 128)
+    scheduler = Scheduler(model, max_batch=max(batches), window_frames=tuple(int(w) for w in args.window.split(",")))
     t = time.perf_counter()
     graphs = scheduler.warmup(max_live=args.frames + 128)
     print(f"warm-up: {graphs} CUDA graphs in {time.perf_counter() - t:.1f} s", flush=True)
@@ -101,12 +100,19 @@ def main() -> None:
     def emit_row(row: dict) -> None:
         emit({"peer": "qwen3-tts-server", "tag": args.tag, **row}, args.out)
 
+    def emit_memory(when: str) -> None:
+        """GPU memory with no session running: PyTorch's tensors, its allocator's total, the talker
+        cache's pages, and the device's own count (CUDA context and every process included)."""
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        emit_row(dict(kind="memory", when=when, idle_alloc_gib=gib(torch.cuda.memory_allocated()),
+                      idle_reserved_gib=gib(torch.cuda.memory_reserved()),
+                      kv_cache_gib=gib(scheduler.stats().kv_cache_bytes), device_used_gib=gib(total - free)))
+
     try:
         run_batch(scheduler, model, voice, min(batches), 8, 10_000)      # warm-up (graphs, allocator)
         if cuda:
-            torch.cuda.synchronize()
-            emit_row(dict(kind="memory", idle_alloc_gib=gib(torch.cuda.memory_allocated()),
-                      idle_reserved_gib=gib(torch.cuda.memory_reserved())))
+            emit_memory("after warm-up")
         for b in batches:
             for rep in range(args.reps):
                 if cuda:
@@ -117,6 +123,9 @@ def main() -> None:
                     row["max_reserved_gib"] = gib(torch.cuda.max_memory_reserved())
                 emit_row(dict(kind="run", mode="scheduler", rep=rep, device=args.device, dtype=args.dtype, **row,
                           step_ms=scheduler.stats().last_step_ms))
+        if cuda:
+            time.sleep(0.5)           # the engine thread hands spare cache pages back after the last turn
+            emit_memory("after the runs")
     finally:
         scheduler.stop()
 

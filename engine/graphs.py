@@ -104,8 +104,8 @@ class PrefillGraphs:
     A session's time to first audio starts with its prompt's prefill, and sessions mostly arrive one
     at a time. Eagerly, the talker's 28 layers are ~600 small kernels launched from Python (~25 ms on
     an H200, most of a first chunk's time); replayed, they cost what the GPU takes. The prompt is
-    right-padded to its bucket: the padding's K/V land after the prompt in the row's cache, where no
-    real query looks (causal) and the decode steps overwrite them. Up to `max_rows` prompts admitted
+    right-padded to its bucket: the padding's K/V land after the prompt, in the row's pages (which
+    the decode steps overwrite) or the cache's scratch page, where no real query looks (causal). Up to `max_rows` prompts admitted
     together replay it one after the other; more rows, and chunks that continue a long prompt, run
     eagerly.
     """
@@ -143,8 +143,8 @@ class PrefillGraphs:
         return len(self.graphs)
 
     def _capture(self, bucket: int):
-        """Capturing writes the padding's K/V into slot `self.slot` (the slot being prefilled, or
-        slot 0 before serving), which the prefill then overwrites."""
+        """Capturing writes K/V into slot `self.slot` (the slot being prefilled, which the prefill
+        then overwrites, or slot 0 before serving, which holds no pages: the scratch page)."""
         runner = self.runner
         self.graphs[bucket] = capture_graph(
             lambda: runner.talker(self.x[:, :bucket], runner.cache, self.start, slots=self.slot, kmax=bucket), self.pool)

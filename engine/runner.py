@@ -15,9 +15,11 @@ limit is lower.
 
 Protocol (slots are integers 0..max_batch-1; the caller owns the allocation):
     runner.admit(slots, params, max_frames)          # O(1) per slot: fresh state
+    runner.reserve(slots, positions)                 # optional: cache pages ahead of need
     status = runner.prefill(slots, chunks, last)     # any slots; one talker forward; chunked prompts OK
     out = runner.step(n, active, text_embeds)        # slots 0..n-1, one frame for every active row
-    out.frames[b], out.status[b] (RUNNING / EOS / LIMIT): a finished row's slot may be admitted again.
+    out.frames[b], out.status[b] (RUNNING / EOS / LIMIT): a finished row's slot may be admitted again
+    runner.release(slots)                            # after it, to give its cache pages back.
 Decode runs over the contiguous slot range 0..n-1 with no gather; a row that is inactive in a step
 (free, finished, still prefilling, or waiting for text) is computed but none of its state changes.
 Rows of one decode batch must be packed into the low slots by the caller to keep n small.
@@ -43,11 +45,12 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, max_batch: int, capacity: int, kv_bucket: int = 64):
+    def __init__(self, model, max_batch: int, capacity: int, kv_bucket: int = 64, page_size: int = 64):
         """model: an `engine.loader.TTSModel` (uses `.talker`, `.config`, `.device`).
 
         capacity: talker positions per slot (prompt + frames); a row whose cache would overflow
-        finishes with LIMIT. kv_bucket: attention reads keys up to the live maximum length rounded up
+        finishes with LIMIT. The cache's pages are taken as rows reach them (`prefill`, `step`) or
+        ahead (`reserve`), and given back by `release`; page_size: positions a page. kv_bucket: attention reads keys up to the live maximum length rounded up
         to this multiple (fewer distinct shapes; 1 = exact length).
         """
         self.talker = model.talker
@@ -56,7 +59,7 @@ class ModelRunner:
         self.dtype = self.talker.codec_head.weight.dtype
         self.max_batch, self.capacity, self.kv_bucket = max_batch, capacity, kv_bucket
         self.eos_id = cfg.codec_eos_token_id
-        self.cache = self.talker.new_cache(max_batch, capacity)
+        self.cache = self.talker.new_cache(max_batch, capacity, reserve_all=False, page_size=page_size)
         self.cp_cache = self.talker.code_predictor.new_cache(max_batch)
         self.processor = TalkerLogitsProcessor(cfg.vocab_size, self.eos_id, self.device)
         dev, s = self.device, max_batch
@@ -79,20 +82,16 @@ class ModelRunner:
         self.graphs = StepGraphs(self, batch_buckets, kv_buckets)
         self.prefill_graphs = PrefillGraphs(self)
 
-    def grow(self, capacity: int) -> None:
-        """Reallocate the talker cache with more positions per slot, keeping its contents."""
-        if capacity <= self.capacity:
-            return
-        old = self.cache
-        self.cache = self.talker.new_cache(self.max_batch, capacity)
-        self.cache.k[:, :, :old.capacity] = old.k[:, :, :old.capacity]
-        self.cache.v[:, :, :old.capacity] = old.v[:, :, :old.capacity]
-        self.capacity = capacity
-        if self.graphs is not None:          # captured graphs point at the old cache
-            self.graphs = type(self.graphs)(self, self.graphs.batch_buckets, None)
-            self.prefill_graphs = type(self.prefill_graphs)(self)
+    # -- admission and cache pages ---------------------------------------------------------------
 
-    # -- admission -------------------------------------------------------------------------------
+    def reserve(self, slots: list[int], positions: list[int]) -> None:
+        """Cache pages for positions 0..positions[i]-1 of slots[i] (ahead of need: admission reserves
+        a turn's estimated length). Raises torch.OutOfMemoryError when the device has no room."""
+        self.cache.reserve(slots, positions)
+
+    def release(self, slots: list[int]) -> None:
+        """The slots' cache pages go back to the free list (their sequences ended)."""
+        self.cache.release(slots)
 
     def admit(self, slots: list[int], params: list[SamplingParams], max_frames: list[int]) -> None:
         """Give `slots` fresh state for new requests (their old contents are forgotten)."""
@@ -120,6 +119,7 @@ class ModelRunner:
         starts = [int(self.lengths[s]) for s in slots]
         if any(st + n > self.capacity for st, n in zip(starts, sizes)):
             raise ValueError(f"prompt longer than the cache capacity {self.capacity}")
+        self.cache.reserve(slots, [st + n for st, n in zip(starts, sizes)])
         idx = torch.as_tensor(slots, dtype=torch.long, device=self.device)
         start = torch.as_tensor(starts, dtype=torch.long, device=self.device)
         hidden = self._prefill_forward(slots, chunks, starts, idx, start)
@@ -208,6 +208,9 @@ class ModelRunner:
         graphs enabled (`use_cuda_graphs`), the device part replays a captured graph per bucket.
         """
         on_host = np.asarray(active, dtype=bool)
+        short = np.flatnonzero(on_host & (self.lengths[:n] >= self.cache.reserved(slice(0, n))))
+        if short.size:          # rows entering a page they have not reserved
+            self.cache.reserve(short.tolist(), (self.lengths[short] + 1).tolist())
         live = int(self.lengths[:n].max()) + 1
         if self.graphs is not None:
             out = self.graphs.run(n, live, on_host, text_embeds)

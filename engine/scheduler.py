@@ -22,10 +22,11 @@ Each iteration of the engine loop:
   6. finished sessions (EOS, frame limit) get their last audio and result, and their slots are free.
 
 Sampling is batch-invariant (`engine.sampling`): a request with a seed gives the same codes alone or
-in any batch, at any arrival frame. The talker KV cache has one capacity for every slot
-(`ModelRunner`); it starts at `capacity`, grows (doubling, up to `max_capacity`) when an admitted
-session's estimated length (its prompt plus `frames_per_token` per text token) or a running one
-needs it.
+in any batch, at any arrival frame. The talker KV cache is paged (`engine.kv_cache`): admission
+reserves a session's estimated length (its prompt plus `frames_per_token` per text token) and waits
+while the device has no room for it; a turn that runs longer takes more pages as it goes; a session's
+pages go back when it ends, and free pages beyond a small spare are handed back to the device, so
+GPU memory follows the load.
 
 Device out-of-memory never fails a request: a prefill is split across rows, then into shorter
 chunks; the vocoder splits across streams, then in time; a decode step is retried after the allocator
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 
 FREE, PREFILL, DECODE = 0, 1, 2     # what a slot is doing
 STEP_TIME_SMOOTHING = 0.3           # weight of the newest step in the step-time average (vocoder windows)
+SPARE_PAGES = 16                    # free KV pages kept for the next admissions beyond half the pages in use
 
 
 class Overloaded(RuntimeError):
@@ -73,7 +75,8 @@ class SchedulerStats:
     frames_generated: int    # codec frames generated since start
     waiting_for_text: int    # decoding sessions that sat out the last step for lack of text
     text_waits: int          # row-steps sat out for lack of text since start
-    capacity: int            # talker cache positions per slot
+    capacity: int            # talker cache positions per slot (at most)
+    kv_cache_bytes: int      # device memory the talker cache holds now (pages in use and spare)
     oom_recoveries: int      # device out-of-memory errors recovered from
 
 
@@ -206,17 +209,18 @@ class RequestHandle:
 
 class Scheduler:
     def __init__(self, model, max_batch: int, *, window_frames: tuple[int, int] = (2, 8),
-                 capacity: Optional[int] = None, max_capacity: Optional[int] = None, max_queue: int = 1024,
+                 max_capacity: Optional[int] = None, max_cache_bytes: Optional[int] = None,
+                 kv_page_size: int = 64, max_queue: int = 1024,
                  prefill_chunk: int = 256, prefill_budget: int = 1024, frames_per_token: float = 6.0,
                  frame_margin: int = 32, keep_codes: bool = False, oom_retries: int = 2,
                  oom_defer_iterations: int = 4, cuda_graphs: bool = True):
         """model: `engine.loader.TTSModel`. max_batch: slots (sessions decoding at once).
 
         window_frames: vocoder frames for a session's first audio chunk, then for each later one.
-        capacity / max_capacity: talker cache positions per slot, initially / at most (default: the
-        longest turn the model allows, max_new_tokens + prefill_chunk). Memory is max_batch x
-        capacity x (layers x 2 x kv_heads x head_dim) elements. The default initial capacity is a given
-        max_capacity on CUDA (growing would drop the captured CUDA graphs), else min(512, max_capacity).
+        max_capacity: talker cache positions per slot (default: the longest turn the model allows,
+        max_new_tokens + prefill_chunk); it costs no memory until a session's turn reaches it.
+        max_cache_bytes: most device memory for the talker cache's pages (default: what the device
+        gives); admissions wait while a turn's estimate does not fit. kv_page_size: positions a page.
         max_queue: sessions waiting for a slot (submitted, not yet admitted, beyond the free slots)
         before `submit` raises `Overloaded`.
         prefill_chunk / prefill_budget: prompt positions per row / in all, per iteration.
@@ -236,9 +240,9 @@ class Scheduler:
         self.oom_retries, self.oom_defer_iterations = oom_retries, oom_defer_iterations
         self.device = model.device
         self.prompts: PromptBuilder = model.prompts
-        if capacity is None:
-            capacity = max_capacity if max_capacity and torch.device(self.device).type == "cuda" else 512
-        self.runner = ModelRunner(model, max_batch, min(capacity, self.max_capacity))
+        self.runner = ModelRunner(model, max_batch, self.max_capacity, page_size=kv_page_size)
+        if max_cache_bytes is not None:
+            self.runner.cache.max_pages = max(1, max_cache_bytes // self.runner.cache.page_bytes)
         if cuda_graphs and torch.device(self.device).type == "cuda":
             self.runner.use_cuda_graphs()
         self.vocoder = StreamingVocoder(model.vocoder, max_batch, WindowPolicy(*window_frames),
@@ -266,7 +270,6 @@ class Scheduler:
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
         self._defer_admissions = 0
-        self._grow_failures = 0
         self._steps = self._frames_total = self._ooms = self._text_waits = 0
         self._last_step_ms, self._last_batch, self._last_sat_out = 0.0, 0, 0
         self._step_s = cfg.samples_per_frame / cfg.sample_rate   # recent seconds per step (starts at real time)
@@ -343,7 +346,8 @@ class Scheduler:
                 steps=self._steps, last_step_ms=self._last_step_ms, last_batch_size=self._last_batch,
                 frames_generated=self._frames_total, waiting_for_text=self._last_sat_out,
                 text_waits=self._text_waits,
-                capacity=self.runner.capacity, oom_recoveries=self._ooms)
+                capacity=self.runner.capacity, kv_cache_bytes=self.runner.cache.bytes_held(),
+                oom_recoveries=self._ooms)
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -427,6 +431,7 @@ class Scheduler:
         self._vocode(ended or [])
         for s in ended or []:
             self._close(s, s.reason)
+        self._trim_cache()
         if ended is not None:
             dt = time.perf_counter() - t0
             self._step_s += STEP_TIME_SMOOTHING * (dt - self._step_s)
@@ -463,7 +468,12 @@ class Scheduler:
                 self._close(s, "error", f"prompt of {p} positions exceeds the cache ({self.max_capacity})")
                 continue
             estimate = p + min(s.max_frames, self.frames_per_token * max(len(s.ids), 1) + self.frame_margin)
-            if not self._grow(int(estimate)):
+            slot = self._free[len(admitted)]      # the slot it will take (the lowest free first)
+            try:
+                self.runner.reserve([slot], [int(estimate) + 1])
+            except torch.OutOfMemoryError:       # no room for its cache now: it waits, in order
+                self.runner.release([slot])
+                self._out_of_memory()
                 break
             s.prompt, s.trail_ids = prompt.embeds, self._trailing_ids(s, prompt.trailing.shape[0])
             admitted.append(s)
@@ -501,27 +511,6 @@ class Scheduler:
             self._trail = grown
         self._trail[slot, self._trail_len[slot]:end] = ids
         self._trail_len[slot] = end
-
-    def _grow(self, positions: int) -> bool:
-        """Make the cache hold `positions` per slot (doubling, capped); False on out-of-memory.
-
-        When growing keeps failing, the cache stays as it is: rows that fill it end with
-        "max_frames" rather than every session waiting for memory that will not come back.
-        """
-        cap = self.runner.capacity
-        if positions <= cap or cap >= self.max_capacity:
-            return True
-        try:
-            self.runner.grow(min(self.max_capacity, max(positions, 2 * cap)))
-            self._grow_failures = 0
-            return True
-        except torch.OutOfMemoryError:
-            self._out_of_memory()
-            self._grow_failures += 1
-            if self._grow_failures > self.oom_retries:
-                log.warning("cannot grow the KV cache past %d positions per slot: capping it there", cap)
-                self.max_capacity = cap
-            return False
 
     def _prefill(self) -> None:
         budget, work = self.prefill_budget, []
@@ -577,9 +566,6 @@ class Scheduler:
             with self._lock:
                 self._last_sat_out = int(decode.sum())
             return None   # everyone waits for text: the loop sleeps until a command arrives
-        room = int(self.runner.lengths[:n][active].max()) + 2
-        if room > self.runner.capacity and not self._grow(room):
-            return None
         ids = np.where(has_text, self._trail[np.arange(n), np.minimum(pos, self._trail.shape[1] - 1)], self._pad_id)
         text = self.model.talker.embed_text(torch.from_numpy(ids).to(self.device))
         out = None
@@ -589,8 +575,8 @@ class Scheduler:
                 break
             except torch.OutOfMemoryError:
                 self._out_of_memory()
-        if out is None:
-            return None     # nothing advanced; the next iteration tries again
+        if out is None:     # nothing advanced; the next iteration tries again, without the rows
+            return self._out_of_pages(n, active)   # that found no room for their next position
         self._trail_pos[:n] += active & has_text
         rows = np.flatnonzero(active)
         self._frames[rows] += 1
@@ -611,6 +597,19 @@ class Scheduler:
             self._last_sat_out = int(decode.sum()) - int(rows.size)
             self._text_waits += self._last_sat_out
         return ended
+
+    def _out_of_pages(self, n: int, active: np.ndarray) -> Optional[list[_Session]]:
+        """Rows whose next position has no cache page after the retries end as if their frame limit
+        came (their audio so far is delivered): the other sessions are not held up waiting for memory
+        that may not come back."""
+        runner = self.runner
+        rows = np.flatnonzero(active & (runner.lengths[:n] >= runner.cache.reserved(slice(0, n))))
+        if not rows.size:
+            return None
+        log.warning("no device memory for the KV cache of %d sessions: ending their turns", rows.size)
+        for slot in rows:
+            self._by_slot[slot].reason = "max_frames"
+        return [self._by_slot[slot] for slot in rows]
 
     def _vocode(self, ended: list[_Session]) -> None:
         """Decode the windows that are due, batched, and send their audio.
@@ -653,11 +652,20 @@ class Scheduler:
             self._text_done[s.slot] = False
             self._free.append(s.slot)
             self._free.sort()
+            self.runner.release([s.slot])
             s.slot = None
         codes = None
         if self.keep_codes:
             codes = (torch.stack(s.codes).numpy() if s.codes else np.zeros((0, 16), dtype=np.int64))
         s.outbox.put(TurnResult(reason, s.frames, s.samples, s.queue_ms, s.ttfa_ms, error, codes))
+
+    def _trim_cache(self) -> None:
+        """Hand free KV pages back to the device beyond a spare of max(SPARE_PAGES, half the pages in
+        use): after a peak of load, memory comes back down; under steady churn pages are reused."""
+        cache = self.runner.cache
+        keep = max(SPARE_PAGES, cache.pages_in_use // 2)
+        if cache.pages_free > 2 * keep and cache.trim(keep):
+            release_cached_memory()
 
     def _out_of_memory(self) -> None:
         log.warning("device out of memory: splitting work and deferring admissions")

@@ -31,8 +31,9 @@ def icl_cut(ref_frames: int, total_frames: int, samples_per_frame: int) -> int:
 
 
 @torch.no_grad()
-def synthesize(model, requests: list[SpeechRequest], initial_capacity: int = 512) -> list[SynthResult]:
-    """Generate every request in one batch, then decode. `model` is an `engine.loader.TTSModel`."""
+def synthesize(model, requests: list[SpeechRequest]) -> list[SynthResult]:
+    """Generate every request in one batch, then decode. `model` is an `engine.loader.TTSModel`.
+    The cache takes its pages as the rows grow (`ModelRunner.step`)."""
     if not requests:
         return []
     builder = model.prompts
@@ -43,9 +44,8 @@ def synthesize(model, requests: list[SpeechRequest], initial_capacity: int = 512
     if any(f < 0 for f in limits):
         raise ValueError("max_frames must be >= 0")
     b = len(requests)
-    longest = max(p.embeds.shape[0] for p in prompts)
     needed = max(p.embeds.shape[0] + f for p, f in zip(prompts, limits))   # final cache length
-    runner = ModelRunner(model, b, min(needed, longest + initial_capacity))
+    runner = ModelRunner(model, b, needed)
     # Trailing text per row, padded with tts_pad; step k adds column min(k, last).
     width = max(p.trailing.shape[0] for p in prompts) + 1
     trailing = builder.tts_pad.expand(b, width, -1).clone()
@@ -59,8 +59,6 @@ def synthesize(model, requests: list[SpeechRequest], initial_capacity: int = 512
     k = 0
     while any(s == RUNNING for s in status):
         active = [s == RUNNING for s in status]
-        if int(runner.lengths.max()) + 1 >= runner.capacity and runner.capacity < needed:
-            runner.grow(min(2 * runner.capacity, needed))
         out = runner.step(b, active, trailing[:, min(k, width - 1)])
         for i in np.flatnonzero(active):
             frames[i].append(out.frames_cpu[i])

@@ -29,14 +29,22 @@ def main() -> None:
         # every config `decode_attention` may time and pick, for the talker (bf16); the first in fp32,
         # and the code predictor's short caches
         for c in k.ATTENTION_CONFIGS[:None if dtype == "bf16" else 1]:
-            for t, block_k in ((1, c["BLOCK_K"]), (2, 16)):
+            for t, block_k, page in ((1, c["BLOCK_K"], 64), (2, 16, 16)):
                 build(k._decode_attention_kernel,
-                      dict(qkv_ptr=p, out_ptr=p, k_cache_ptr=p, v_cache_ptr=p, start_ptr="*i64", q_w_ptr=p,
+                      dict(qkv_ptr=p, out_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64", q_w_ptr=p,
                            k_w_ptr=p, inv_freq_ptr="*fp32", stride_qkv_b="i32", stride_qkv_t="i32",
-                           stride_out_b="i32", stride_out_t="i32", stride_slot="i32", stride_pos="i32",
-                           capacity="i32", eps="fp32", scale="fp32"),
-                      dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, BLOCK_K=block_k, IEEE=dtype == "fp32"),
+                           stride_out_b="i32", stride_out_t="i32", stride_table="i32", k_offset="i32",
+                           v_offset="i32", capacity="i32", eps="fp32", scale="fp32"),
+                      dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, PAGE=page, BLOCK_K=block_k, IEEE=dtype == "fp32"),
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
+        # the paged cache's reads and writes (prefill), talker shapes
+        build(k._kv_write_kernel, dict(k_ptr=p, v_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64",
+                                       rows_ptr="*i64", stride_kb="i32", stride_kt="i32", stride_vb="i32",
+                                       stride_vt="i32", stride_table="i32", k_offset="i32", v_offset="i32",
+                                       capacity="i32"), dict(PAGE=64, HD=1024, BLOCK=1024))
+        build(k._kv_read_kernel, dict(k_ptr=p, v_ptr=p, anchor_ptr=p, table_ptr="*i64", rows_ptr="*i64",
+                                      stride_b="i32", stride_table="i32", k_offset="i32", v_offset="i32"),
+                      dict(PAGE=64, HD=1024, BLOCK=1024))
         build(k._rms_norm_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, N="i32", eps="fp32"), dict(BLOCK=1024))
         build(k._silu_mul_kernel, dict(x_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
         # every config `linear` may time and pick, with each epilogue the decode layers use (bf16);

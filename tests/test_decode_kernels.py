@@ -37,10 +37,11 @@ def test_silu_mul_matches_torch(kernels):
 @pytest.mark.parametrize("t", [1, 2])
 def test_decode_attention_matches_the_plain_attention(kernels, t):
     """The pre-norm, QK-norm, RoPE, the K/V write, causal GQA attention over ragged rows and the
-    residual add; a row at the cache's end writes only the scratch column, and no other slot's K/V
-    changes."""
+    residual add, through the page table of a cache whose pages are tensors of their own (as on
+    CUDA) against the plain attention over a one-pool cache; a row at the cache's end writes only the
+    scratch page, and no other slot's K/V changes."""
     torch.manual_seed(2)
-    heads, kv_heads, head_dim, hidden, cap, b = 4, 2, 32, 64, 40, 3
+    heads, kv_heads, head_dim, hidden, cap, b, page = 4, 2, 32, 64, 40, 3, 8
     attn = Attention(hidden, heads, kv_heads, head_dim, 1e-6)
     norm = RMSNorm(hidden, 1e-6)
     with torch.no_grad():
@@ -48,11 +49,12 @@ def test_decode_attention_matches_the_plain_attention(kernels, t):
         attn.q_norm.weight.uniform_(0.5, 1.5)
         attn.k_norm.weight.uniform_(0.5, 1.5)
     inv_freq = rope_inv_freq(head_dim, 1e6)
-    plain, fused = (KVCache(1, b + 1, cap, kv_heads, head_dim, torch.float32, "cpu") for _ in range(2))
+    plain, fused = (KVCache(1, b + 1, cap, kv_heads, head_dim, torch.float32, "cpu", page_size=page,
+                            reserve_all=True, separate_pages=separate) for separate in (False, True))
+    earlier = torch.randn(b + 1, cap, kv_heads, head_dim), torch.randn(b + 1, cap, kv_heads, head_dim)
     for c in (plain, fused):          # earlier keys, identical in both (slot b is not in the batch)
-        c.k.copy_(torch.randn(c.k.shape, generator=torch.Generator().manual_seed(3)))
-        c.v.copy_(torch.randn(c.v.shape, generator=torch.Generator().manual_seed(4)))
-    start = torch.tensor([0, 17, cap + 1 - t])       # row 2 ends in the scratch column
+        c.write(0, *earlier, torch.zeros(b + 1, dtype=torch.long))
+    start = torch.tensor([0, 17, cap + 1 - t])       # row 2 ends in the scratch page
     x = torch.randn(b, t, hidden)
     cos, sin = rope_cos_sin(start[:, None] + torch.arange(t), inv_freq, x.dtype)
     with torch.no_grad():
@@ -60,8 +62,9 @@ def test_decode_attention_matches_the_plain_attention(kernels, t):
         attn.fuse()
         got = attn.decode(x, norm, fused, 0, start, inv_freq)
     torch.testing.assert_close(got[:2], expected[:2], atol=1e-5, rtol=0)    # row 2's output is never used
-    torch.testing.assert_close(fused.k, plain.k, atol=1e-6, rtol=0)
-    torch.testing.assert_close(fused.v, plain.v, atol=1e-6, rtol=0)
+    for a, e in zip(fused.read(0, b + 1, cap), plain.read(0, b + 1, cap)):
+        torch.testing.assert_close(a, e, atol=1e-6, rtol=0)
+    assert torch.equal(fused.read(0, b + 1, cap)[0][b], earlier[0][b])
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +159,7 @@ def test_skinny_linear_matches_the_separate_ops(kernels, rows, epilogue):
 def test_head_sizes_the_attention_kernel_takes(kernels):
     """Other head sizes keep the plain ops (`DecoderStack.fuse` asks before choosing the kernel)."""
     assert [kernels.decode_attention_supports(d) for d in (16, 32, 48, 64, 128)] == [False, True, False, True, True]
-    cache = torch.zeros(1, 5, 1, 16)
+    cache = KVCache(1, 1, 4, 1, 16, torch.float32, "cpu", reserve_all=True)
     with pytest.raises(ValueError, match="unsupported"):
         kernels.decode_attention(torch.zeros(1, 1, 48), 1, 1, torch.ones(16), torch.ones(16), 1e-6,
-                                 torch.ones(8), cache, cache, torch.zeros(1, dtype=torch.long))
+                                 torch.ones(8), cache, 0, torch.zeros(1, dtype=torch.long))

@@ -159,11 +159,12 @@ def test_alone_equals_in_batch_arriving_at_different_frames(model64, voices, sam
 
 
 def test_64_concurrent_requests_of_different_lengths(model, voices, golden_npz):
-    """16 slots, chunked prefill (8 positions per row, 24 per step) and a cache that starts too small:
-    every request gets the first frames of its golden codes (greedy), as many as its limit allows."""
+    """16 slots, chunked prefill (8 positions per row, 24 per step) and cache pages of 4 positions
+    (turns outgrow their reservations): every request gets the first frames of its golden codes
+    (greedy), as many as its limit allows, and every page is back on the free list at the end."""
     cases = list(CASES)
     golden = {case: golden_npz(case)["codes_0"] for case in cases}
-    with Scheduler(model, 16, keep_codes=True, window_frames=(1, 4), capacity=16, prefill_chunk=8,
+    with Scheduler(model, 16, keep_codes=True, window_frames=(1, 4), kv_page_size=4, prefill_chunk=8,
                    prefill_budget=24) as sch:
         jobs = []
         for i in range(64):
@@ -171,6 +172,8 @@ def test_64_concurrent_requests_of_different_lengths(model, voices, golden_npz):
             jobs.append((case, frames, sch.submit(request(voices, case, max_frames=frames))))
         done = [(case, frames, *h.collect(120)) for case, frames, h in jobs]
         stats = sch.stats()
+        cache = sch.runner.cache
+        assert cache.pages_in_use == 0 and cache.pages_free > 0
     for case, frames, chunks, result in done:
         expected = min(frames, 18) if case == "xvec_eos" else frames    # xvec_eos stops on EOS after 18
         assert result.frames == expected, (case, frames, result)
@@ -178,7 +181,7 @@ def test_64_concurrent_requests_of_different_lengths(model, voices, golden_npz):
         np.testing.assert_array_equal(result.codes, golden[case][:expected])
         check_stream(chunks, result, window=(1, 4))
     assert stats.active == 0 and stats.queued == 0 and stats.frames_generated == sum(r.frames for *_, r in done)
-    assert stats.capacity >= 46 + 25          # grew from 16 to hold the longest prompt and its frames
+    assert stats.kv_cache_bytes == cache.bytes_held() > 0
 
 
 def test_text_in_pieces_gives_the_same_codes(model, voices):
@@ -281,6 +284,39 @@ def test_out_of_memory_mid_step_is_recovered(model, voices, golden_npz, monkeypa
         np.testing.assert_allclose(audio(chunks), one_shot(model, result.codes, request(voices, case).voice),
                                    rtol=0, atol=FP32)
         check_stream(chunks, result)
+
+
+def test_admissions_wait_for_cache_room(model, voices, golden_npz):
+    """With room in the cache's page budget for one turn's estimate, a second turn waits in the
+    queue until the first ends and its pages come back; both get their golden codes."""
+    with Scheduler(model, 2, keep_codes=True, kv_page_size=4) as sch:
+        sch.submit(request(voices, "xvec_en")).collect(60)
+        one_turn = sch.runner.cache.pages_held          # pages the turn's estimate took
+    with Scheduler(model, 2, keep_codes=True, kv_page_size=4) as sch:
+        sch.runner.cache.max_pages = one_turn + one_turn // 2
+        first, second = (sch.submit(request(voices, "xvec_en")) for _ in range(2))
+        wait_steps(sch, 3)
+        stats = sch.stats()
+        assert (stats.active, stats.queued) == (1, 1)
+        results = [first.collect(60)[1], second.collect(60)[1]]
+    for r in results:
+        assert r.reason == "max_frames"
+        np.testing.assert_array_equal(r.codes, golden_npz("xvec_en")["codes_0"])
+
+
+def test_a_turn_that_outgrows_a_full_cache_ends_with_its_audio(model, voices, golden_npz):
+    """A turn that runs past its reservation when the page budget is spent ends as at its frame
+    limit after the retries, with every frame it made delivered, and its pages come back."""
+    with Scheduler(model, 1, keep_codes=True, kv_page_size=4, frames_per_token=0.0, frame_margin=2,
+                   oom_defer_iterations=1) as sch:
+        cache = sch.runner.cache
+        cache.max_pages = 8
+        chunks, result = sch.submit(request(voices, "xvec_en")).collect(60)
+        assert cache.pages_in_use == 0 and sch.stats().oom_recoveries == 3
+    assert result.reason == "max_frames" and 0 < result.frames < 31
+    assert sch.runner.lengths[0] == 8 * 4          # it ran until every position it could have was used
+    np.testing.assert_array_equal(result.codes, golden_npz("xvec_en")["codes_0"][:result.frames])
+    check_stream(chunks, result)
 
 
 def test_async_iteration_and_limits(model, voices):

@@ -237,6 +237,7 @@ def test_metrics_parse_and_move(server):
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0) - before.get(key, 0)
     assert delta("qwen3_tts_requests_total", route="speech", outcome="ok") == 1
+    assert after[("qwen3_tts_gpu_memory_bytes", (("kind", "kv_cache"),))] > 0     # the cache's pages (CPU pool)
     assert delta("qwen3_tts_requests_total", route="speech", outcome="client_error") == 1
     assert delta("qwen3_tts_audio_seconds_total") == pytest.approx(FRAMES * 0.08)
     assert delta("qwen3_tts_ttfa_seconds_count") == 1

@@ -362,24 +362,25 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(
-            qkv_ptr, out_ptr, k_cache_ptr, v_cache_ptr, start_ptr, q_w_ptr, k_w_ptr, inv_freq_ptr,
-            stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, stride_slot, stride_pos,
+            qkv_ptr, out_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr, k_w_ptr, inv_freq_ptr,
+            stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, stride_table, k_offset, v_offset,
             capacity, eps, scale,
             T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-            M: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+            M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         HALF: tl.constexpr = D // 2
-        dtype = k_cache_ptr.dtype.element_ty
+        dtype = anchor_ptr.dtype.element_ty
         i = tl.arange(0, HALF)
         start = tl.load(start_ptr + b)
         inv_freq = tl.load(inv_freq_ptr + i)
         qkv = qkv_ptr + b * stride_qkv_b
-        k_cache = k_cache_ptr + b * stride_slot + kvh * D
-        v_cache = v_cache_ptr + b * stride_slot + kvh * D
+        pages = table_ptr + b * stride_table      # row b's page offsets from the anchor (`KVCache`)
+        k_cache = anchor_ptr + k_offset + kvh * D
+        v_cache = anchor_ptr + v_offset + kvh * D
 
         # The T new keys (normed, rotated) and values go to the cache first (positions past the
-        # capacity land in its scratch column), then every key is read back from it.
+        # capacity land in the scratch page), then every key is read back from it.
         kw1 = tl.load(k_w_ptr + i).to(tl.float32)
         kw2 = tl.load(k_w_ptr + HALF + i).to(tl.float32)
         d = tl.arange(0, D)
@@ -389,7 +390,8 @@ if triton is not None:
             k2 = tl.load(src + HALF + i).to(tl.float32)
             inv = tl.rsqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + eps)
             r1, r2 = _rope(k1 * inv * kw1, k2 * inv * kw2, (start + t).to(tl.float32), inv_freq, dtype)
-            dst = tl.minimum(start + t, capacity) * stride_pos
+            pos = tl.minimum(start + t, capacity)
+            dst = tl.load(pages + pos // PAGE) + (pos % PAGE) * (HKV * D)
             tl.store(k_cache + dst + i, r1.to(dtype))
             tl.store(k_cache + dst + HALF + i, r2.to(dtype))
             tl.store(v_cache + dst + d, tl.load(qkv + t * stride_qkv_t + (HQ + HKV + kvh) * D + d))
@@ -418,7 +420,8 @@ if triton is not None:
         for k0 in range(0, end, BLOCK_K):
             idx = k0 + tl.arange(0, BLOCK_K)
             in_range = idx < end
-            kp = k_cache + idx[:, None] * stride_pos
+            at = tl.load(pages + idx // PAGE, mask=in_range, other=0) + (idx % PAGE) * (HKV * D)
+            kp = k_cache + at[:, None]
             keys1 = tl.load(kp + i[None, :], mask=in_range[:, None], other=0.0)
             keys2 = tl.load(kp + HALF + i[None, :], mask=in_range[:, None], other=0.0)
             if IEEE:
@@ -431,7 +434,7 @@ if triton is not None:
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache + idx[:, None] * stride_pos + d[None, :], mask=in_range[:, None], other=0.0)
+            v = tl.load(v_cache + at[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v, input_precision="ieee")
             else:
@@ -454,53 +457,106 @@ ATTENTION_TIMING_KEYS = 256      # live keys per row on the scratch cache the co
 
 
 def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
-                     k_norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
-                     config: dict | None = None) -> torch.Tensor:
+                     k_norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, cache, layer: int,
+                     start: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """The attention core of a decode forward in one kernel -> [B, T, heads * head_dim].
 
     qkv [B, T, (heads + 2 * kv_heads) * head_dim]: the fused QKV projection of T new positions
-    start[b] .. start[b]+T-1 of row b, which is slot b of the layer's cache k_cache / v_cache
-    [slots, capacity + 1, kv_heads, head_dim]. Q and K are RMS-normed per head and rotated (RoPE from
-    the positions and inv_freq, fp32), the new K/V are written to the cache, and each query attends
-    causally over keys 0 .. its own position. Reads exactly the row's live keys: no mask, no kv bucket.
+    start[b] .. start[b]+T-1 of row b, which is slot b of `layer` in `cache` (an `engine.kv_cache.
+    KVCache`, whose pages the kernel finds through its table). Q and K are RMS-normed per head and
+    rotated (RoPE from the positions and inv_freq, fp32), the new K/V are written to the cache, and
+    each query attends causally over keys 0 .. its own position. Reads exactly the row's live keys:
+    no mask, no kv bucket.
     config: keys per block and launch options; by default the fastest of ATTENTION_CONFIGS for these
     shapes, timed once on the GPU on a scratch cache of ATTENTION_TIMING_KEYS keys a row (the live
     lengths at warm-up say nothing of the load, and timing must not write into live rows).
     """
     b, t, width = qkv.shape
-    head_dim = k_cache.shape[-1]
-    if width != (heads + 2 * kv_heads) * head_dim or not decode_attention_supports(head_dim):
-        raise ValueError(f"decode_attention: unsupported shapes qkv {tuple(qkv.shape)}, cache {tuple(k_cache.shape)}")
+    head_dim = cache.head_dim
+    if (width != (heads + 2 * kv_heads) * head_dim or kv_heads != cache.kv_heads
+            or not decode_attention_supports(head_dim)):
+        raise ValueError(f"decode_attention: unsupported shapes qkv {tuple(qkv.shape)}, "
+                         f"cache of {cache.kv_heads} x {head_dim}")
     qkv = qkv.contiguous()
     out = torch.empty(b, t, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
 
-    def launch(c, k_cache=k_cache, v_cache=v_cache, start=start, out=out):
-        block = max(16, min(c["BLOCK_K"], triton.next_power_of_2(int(k_cache.shape[1]) - 1)))
+    def launch(c, cache=cache, layer=layer, start=start, out=out):
+        block = max(16, min(c["BLOCK_K"], triton.next_power_of_2(cache.capacity)))
+        k_offset, v_offset = cache.layer_offsets(layer)
         _decode_attention_kernel[(b, kv_heads)](
-            qkv, out, k_cache, v_cache, start, q_norm_weight, k_norm_weight, inv_freq,
-            qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-            k_cache.shape[1] - 1, eps, head_dim ** -0.5,
-            T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim, M=max(16, triton.next_power_of_2(t * heads // kv_heads)),
+            qkv, out, cache.anchor, cache.table, start, q_norm_weight, k_norm_weight, inv_freq,
+            qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), cache.table.stride(0),
+            k_offset, v_offset, cache.capacity, eps, head_dim ** -0.5,
+            T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
+            M=max(16, triton.next_power_of_2(t * heads // kv_heads)), PAGE=cache.page_size,
             BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"], num_stages=c["num_stages"])
 
     scratch = []
 
     def launch_on_scratch(c):
         if not scratch:
-            keys = min(ATTENTION_TIMING_KEYS, k_cache.shape[1] - 1)
-            shape = (b, keys + 1, *k_cache.shape[2:])
-            scratch.extend([torch.randn(shape, dtype=k_cache.dtype, device=k_cache.device),
-                            torch.randn(shape, dtype=k_cache.dtype, device=k_cache.device),
-                            torch.full((b,), max(0, keys - t), dtype=start.dtype, device=start.device),
+            keys = min(ATTENTION_TIMING_KEYS, cache.capacity)
+            s = type(cache)(1, b, keys, kv_heads, head_dim, cache.anchor.dtype, cache.anchor.device,
+                            cache.page_size, reserve_all=True, separate_pages=cache.separate_pages)
+            scratch.extend([s, 0, torch.full((b,), max(0, keys - t), dtype=start.dtype, device=start.device),
                             torch.empty_like(out)])
         launch(c, *scratch)
 
     if config is None:
-        key = ("attention", b, t, heads, kv_heads, head_dim, qkv.dtype, k_cache.shape[1])
+        key = ("attention", b, t, heads, kv_heads, head_dim, qkv.dtype, cache.capacity, cache.page_size)
         config = _fastest(key, ATTENTION_CONFIGS, launch_on_scratch)
     launch(config)
     return out
+
+
+if triton is not None:
+    @triton.jit
+    def _kv_write_kernel(k_ptr, v_ptr, anchor_ptr, table_ptr, start_ptr, rows_ptr, stride_kb, stride_kt,
+                         stride_vb, stride_vt, stride_table, k_offset, v_offset, capacity,
+                         PAGE: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr):
+        """K and V [kv_heads * head_dim] of row b's position t to its slot's page."""
+        b, t = tl.program_id(0), tl.program_id(1)
+        pos = tl.minimum(tl.load(start_ptr + b) + t, capacity)
+        page = tl.load(table_ptr + tl.load(rows_ptr + b) * stride_table + pos // PAGE)
+        dst = anchor_ptr + page + (pos % PAGE) * HD
+        e = tl.arange(0, BLOCK)
+        mask = e < HD
+        tl.store(dst + k_offset + e, tl.load(k_ptr + b * stride_kb + t * stride_kt + e, mask=mask), mask=mask)
+        tl.store(dst + v_offset + e, tl.load(v_ptr + b * stride_vb + t * stride_vt + e, mask=mask), mask=mask)
+
+    @triton.jit
+    def _kv_read_kernel(k_ptr, v_ptr, anchor_ptr, table_ptr, rows_ptr, stride_b, stride_table, k_offset,
+                        v_offset, PAGE: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr):
+        """K and V of position `pos` of row b's slot into rows [B, kmax, HD]."""
+        b, pos = tl.program_id(0), tl.program_id(1)
+        page = tl.load(table_ptr + tl.load(rows_ptr + b) * stride_table + pos // PAGE)
+        src = anchor_ptr + page + (pos % PAGE) * HD
+        e = tl.arange(0, BLOCK)
+        mask = e < HD
+        dst = b * stride_b + pos * HD + e
+        tl.store(k_ptr + dst, tl.load(src + k_offset + e, mask=mask), mask=mask)
+        tl.store(v_ptr + dst, tl.load(src + v_offset + e, mask=mask), mask=mask)
+
+
+def kv_write(cache, layer: int, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, rows: torch.Tensor) -> None:
+    """`KVCache.write` for pages that are tensors of their own: k, v [B, T, kv_heads, head_dim]."""
+    b, t, h, d = k.shape
+    k, v = (x if x.stride(2) == d and x.stride(3) == 1 else x.contiguous() for x in (k, v))   # [H, D] dense
+    k_offset, v_offset = cache.layer_offsets(layer)
+    _kv_write_kernel[(b, t)](k, v, cache.anchor, cache.table, start, rows, k.stride(0), k.stride(1),
+                             v.stride(0), v.stride(1), cache.table.stride(0), k_offset, v_offset, cache.capacity,
+                             PAGE=cache.page_size, HD=h * d, BLOCK=triton.next_power_of_2(h * d))
+
+
+def kv_read(cache, layer: int, rows: torch.Tensor, kmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`KVCache.read` for pages that are tensors of their own -> k, v [B, kmax, kv_heads, head_dim]."""
+    b, h, d = rows.shape[0], cache.kv_heads, cache.head_dim
+    k = torch.empty(b, kmax, h, d, dtype=cache.anchor.dtype, device=cache.anchor.device)
+    v = torch.empty_like(k)
+    k_offset, v_offset = cache.layer_offsets(layer)
+    _kv_read_kernel[(b, kmax)](k, v, cache.anchor, cache.table, rows, k.stride(0), cache.table.stride(0),
+                               k_offset, v_offset, PAGE=cache.page_size, HD=h * d, BLOCK=triton.next_power_of_2(h * d))
+    return k, v
 
 
 if triton is not None:

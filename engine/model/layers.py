@@ -170,7 +170,7 @@ class Attention(nn.Module):
         residual add in the output GEMM. Needs `fuse`."""
         qkv = linear(h, self.qkv_weight, norm.weight, norm.eps)
         out = decode_attention(qkv, self.heads, self.kv_heads, self.q_norm.weight, self.k_norm.weight,
-                               self.q_norm.eps, inv_freq, cache.k[layer], cache.v[layer], start)
+                               self.q_norm.eps, inv_freq, cache, layer, start)
         return linear(out, self.o_proj.weight, residual=h)
 
 

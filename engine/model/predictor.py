@@ -44,8 +44,9 @@ class CodePredictor(nn.Module):
         """
         t = self.cfg.transformer
         w = self.lm_head[0].weight
-        return KVCache(t.num_hidden_layers, num_slots, self.cfg.num_code_groups, t.num_key_value_heads,
-                       t.head_dim, w.dtype, w.device)
+        n = self.cfg.num_code_groups
+        return KVCache(t.num_hidden_layers, num_slots, n, t.num_key_value_heads, t.head_dim, w.dtype, w.device,
+                       page_size=n, reserve_all=True)
 
     def predict(self, h: torch.Tensor, c0_embed: torch.Tensor, sample_fn: SampleFn,
                 cache: KVCache | None = None) -> torch.Tensor:

@@ -5,7 +5,7 @@ MODEL.md section 2. Parameter names mirror `talker.*` of the checkpoint, so
 predictor included. M-RoPE with three identical position axes is plain 1-D RoPE (MODEL.md T15).
 
 Typical use by a runner (all tensors batched, rows = slots):
-    cache = talker.new_cache(num_slots, capacity)
+    cache = talker.new_cache(num_slots, capacity)           # every position reserved
     hidden = talker(embeds, cache, start, slots=slots)       # prefill, right-padded rows
     logits = talker.logits(hidden[rows, lengths - 1])         # [B, vocab] fp32
     ... c0 = sample(...)
@@ -54,12 +54,13 @@ class Talker(nn.Module):
         self.codec_head = nn.Linear(hidden, cfg.vocab_size, bias=False)
         self.code_predictor = CodePredictor(predictor_cfg, hidden)
 
-    def new_cache(self, num_slots: int, capacity: int) -> KVCache:
-        """A talker KV cache of `num_slots` sequences of up to `capacity` positions."""
+    def new_cache(self, num_slots: int, capacity: int, reserve_all: bool = True, page_size: int = 64) -> KVCache:
+        """A talker KV cache of `num_slots` sequences of up to `capacity` positions, all of them
+        writable (`reserve_all`), or taken as the caller reserves them (the runner)."""
         t = self.cfg.transformer
         w = self.codec_head.weight
         return KVCache(t.num_hidden_layers, num_slots, capacity, t.num_key_value_heads, t.head_dim,
-                       w.dtype, w.device)
+                       w.dtype, w.device, page_size=page_size, reserve_all=reserve_all)
 
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
         """E_t(ids) = text_projection(text_embedding(ids)) -> [..., D]."""
