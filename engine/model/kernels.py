@@ -391,7 +391,7 @@ if triton is not None:
             inv = tl.rsqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + eps)
             r1, r2 = _rope(k1 * inv * kw1, k2 * inv * kw2, (start + t).to(tl.float32), inv_freq, dtype)
             pos = tl.minimum(start + t, capacity)
-            dst = tl.load(pages + pos // PAGE) + (pos % PAGE) * (HKV * D)
+            dst = tl.multiple_of(tl.load(pages + pos // PAGE) + (pos % PAGE) * (HKV * D), 16)
             tl.store(k_cache + dst + i, r1.to(dtype))
             tl.store(k_cache + dst + HALF + i, r2.to(dtype))
             tl.store(v_cache + dst + d, tl.load(qkv + t * stride_qkv_t + (HQ + HKV + kvh) * D + d))
@@ -420,7 +420,9 @@ if triton is not None:
         for k0 in range(0, end, BLOCK_K):
             idx = k0 + tl.arange(0, BLOCK_K)
             in_range = idx < end
-            at = tl.load(pages + idx // PAGE, mask=in_range, other=0) + (idx % PAGE) * (HKV * D)
+            # page offsets and rows are multiples of 16 elements (pages are 512-byte aligned, D >= 32):
+            # said so, the key and value rows load as wide vectors
+            at = tl.multiple_of(tl.load(pages + idx // PAGE, mask=in_range, other=0) + (idx % PAGE) * (HKV * D), 16)
             kp = k_cache + at[:, None]
             keys1 = tl.load(kp + i[None, :], mask=in_range[:, None], other=0.0)
             keys2 = tl.load(kp + HALF + i[None, :], mask=in_range[:, None], other=0.0)
