@@ -9,10 +9,12 @@ advancing them, free slots) lands there, where no row reads.
 
 The caller reserves a slot's positions before a forward writes them (`reserve`) and releases the
 slot when its sequence ends (`release`). Two storages behind the one table:
-  * on CUDA with Triton, each page is a tensor of its own, allocated when a slot first needs it; a
-    released page waits on a free list for the next slot, and `trim` hands the free ones back, so
-    the memory follows the load. CUDA graphs stay valid as pages come and go: they capture `anchor`
-    and `table`, which never move. Reads and writes are Triton kernels that follow the offsets.
+  * on CUDA with Triton, pages live in chunk tensors of ~CHUNK_BYTES, allocated when a slot needs
+    a page and none is free (one allocation for many pages: a burst of admissions does not wait on
+    an allocator call per page); a released page waits on a free list for the next slot, and `trim`
+    hands back chunks whose pages are all free, so the memory follows the load. CUDA graphs stay
+    valid as chunks come and go: they capture `anchor` and `table`, which never move. Reads and
+    writes are Triton kernels that follow the offsets.
   * elsewhere (CPU), the pages are one pool tensor, grown by reallocation (there are no graphs to
     keep valid), and reads and writes are torch indexing (offsets are multiples of a page).
 The cache holds no lengths: the caller (the runner) owns them and passes each forward the start
@@ -20,19 +22,24 @@ position of every row. Reads are gathers: rows 0..B-1 (decode, `slots=None`) or 
 """
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import torch
 
 from .model import kernels
 
+CHUNK_BYTES = 128 << 20          # device memory allocated at once for pages (separate storage)
+
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, capacity: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, page_size: int = 64,
-                 reserve_all: bool = False, separate_pages: bool | None = None):
+                 reserve_all: bool = False, separate_pages: bool | None = None, chunk_pages: int | None = None):
         """capacity: positions per slot. reserve_all: every slot's whole capacity is reserved now (a
         static cache: tests, benchmarks, the code predictor's one-frame cache). separate_pages: the
-        page storage (default: separate tensors on CUDA when Triton is there, else one pool)."""
+        page storage (default: chunks on CUDA when Triton is there, else one pool). chunk_pages: pages
+        a chunk (default: CHUNK_BYTES' worth, at most what every slot's capacity needs)."""
         device = torch.device(device)
         self.num_layers, self.num_slots, self.capacity = num_layers, num_slots, capacity
         self.kv_heads, self.head_dim, self.page_size = kv_heads, head_dim, page_size
@@ -43,11 +50,14 @@ class KVCache:
         self.separate_pages = separate_pages
         self.anchor = torch.zeros(self.page_shape, dtype=dtype, device=device)     # the scratch page
         self.pool = self.anchor[None]          # one-pool storage: page i is pool[i] (0: scratch)
-        self._pages: dict[int, torch.Tensor] = {}   # separate storage: offset -> page tensor
+        self._chunks: dict[int, torch.Tensor] = {}  # separate storage: chunk id -> [pages, *page_shape]
+        self._chunk_of: dict[int, int] = {}         # separate storage: page offset -> chunk id
         self._free: list[int] = []             # offsets of pages no slot holds
         self._pool_used = 1
         self.max_pages: int | None = None     # most pages held at once (None: what the device gives)
         self.table = torch.zeros(num_slots, capacity // page_size + 1, dtype=torch.long, device=device)
+        self.chunk_pages = chunk_pages or max(1, min(CHUNK_BYTES // self.page_bytes,
+                                                     num_slots * -(-capacity // page_size)))
         self._slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
         self.page_counts = np.zeros(num_slots, dtype=np.int64)    # pages each slot holds
         if reserve_all:
@@ -66,7 +76,7 @@ class KVCache:
     @property
     def pages_held(self) -> int:
         """Pages allocated (in use or free), not counting the scratch page."""
-        return len(self._pages) if self.separate_pages else self._pool_used - 1
+        return len(self._chunk_of) if self.separate_pages else self._pool_used - 1
 
     @property
     def page_bytes(self) -> int:
@@ -74,7 +84,7 @@ class KVCache:
 
     def bytes_held(self) -> int:
         """Device memory of the pages, the scratch page and (one pool) its unused room included."""
-        return (len(self._pages) + 1 if self.separate_pages else self.pool.shape[0]) * self.page_bytes
+        return (len(self._chunk_of) + 1 if self.separate_pages else self.pool.shape[0]) * self.page_bytes
 
     def reserve(self, slots: list[int], positions: list[int]) -> None:
         """Make positions 0..positions[i]-1 of slot slots[i] writable (pages it lacks are taken from
@@ -110,14 +120,22 @@ class KVCache:
             self.table[torch.as_tensor(slots, dtype=torch.long).to(self.table.device)] = 0
 
     def trim(self, keep: int = 0) -> int:
-        """Free all but `keep` of the pages no slot holds (separate storage; the pool keeps its size);
-        returns the bytes freed (back to PyTorch's allocator)."""
+        """Free chunks whose pages no slot holds while more than `keep` pages are free (separate
+        storage; the pool keeps its size); returns the bytes freed (back to PyTorch's allocator)."""
         if not self.separate_pages or len(self._free) <= keep:
             return 0
-        dropped, self._free = self._free[keep:], self._free[:keep]
-        for offset in dropped:
-            del self._pages[offset]
-        return len(dropped) * self.page_bytes
+        free_in = collections.Counter(self._chunk_of[offset] for offset in self._free)
+        dropped, free = set(), len(self._free)
+        for chunk, n in free_in.items():
+            if free <= keep:
+                break
+            if n == self._chunks[chunk].shape[0]:
+                dropped.add(chunk)
+                free -= n
+        self._free = [offset for offset in self._free if self._chunk_of[offset] not in dropped]
+        self._chunk_of = {offset: c for offset, c in self._chunk_of.items() if c not in dropped}
+        freed = sum(self._chunks.pop(chunk).shape[0] for chunk in dropped)
+        return freed * self.page_bytes
 
     def _take_page(self) -> int:
         if self._free:
@@ -125,10 +143,17 @@ class KVCache:
         if self.max_pages is not None and self.pages_held >= self.max_pages:
             raise torch.OutOfMemoryError(f"the KV cache holds its most pages ({self.max_pages})")
         if self.separate_pages:
-            page = torch.empty(self.page_shape, dtype=self.anchor.dtype, device=self.anchor.device)
-            offset = (page.data_ptr() - self.anchor.data_ptr()) // page.element_size()
-            self._pages[offset] = page
-            return offset
+            n = self.chunk_pages
+            if self.max_pages is not None:
+                n = min(n, self.max_pages - self.pages_held)
+            chunk = torch.empty((n, *self.page_shape), dtype=self.anchor.dtype, device=self.anchor.device)
+            chunk_id = max(self._chunks, default=-1) + 1
+            self._chunks[chunk_id] = chunk
+            base = (chunk.data_ptr() - self.anchor.data_ptr()) // chunk.element_size()
+            offsets = [base + i * self.page_elems for i in range(n)]
+            self._chunk_of.update((offset, chunk_id) for offset in offsets)
+            self._free.extend(reversed(offsets[1:]))
+            return offsets[0]
         if self._pool_used == self.pool.shape[0]:
             grown = torch.zeros((2 * self.pool.shape[0], *self.page_shape), dtype=self.pool.dtype, device=self.pool.device)
             grown[:self._pool_used] = self.pool

@@ -270,6 +270,7 @@ class Scheduler:
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
         self._defer_admissions = 0
+        self._trimmed = False                   # cache pages went back to the allocator since it was emptied
         self._steps = self._frames_total = self._ooms = self._text_waits = 0
         self._last_step_ms, self._last_batch, self._last_sat_out = 0.0, 0, 0
         self._step_s = cfg.samples_per_frame / cfg.sample_rate   # recent seconds per step (starts at real time)
@@ -660,12 +661,17 @@ class Scheduler:
         s.outbox.put(TurnResult(reason, s.frames, s.samples, s.queue_ms, s.ttfa_ms, error, codes))
 
     def _trim_cache(self) -> None:
-        """Hand free KV pages back to the device beyond a spare of max(SPARE_PAGES, half the pages in
-        use): after a peak of load, memory comes back down; under steady churn pages are reused."""
+        """Free KV pages beyond a spare of max(SPARE_PAGES, half the pages in use) go back to PyTorch's
+        allocator (after a peak of load; under steady churn pages are reused), and to the device once
+        no session is left (emptying the allocator's cache under load would make the next
+        allocations wait on the device)."""
         cache = self.runner.cache
         keep = max(SPARE_PAGES, cache.pages_in_use // 2)
         if cache.pages_free > 2 * keep and cache.trim(keep):
+            self._trimmed = True
+        if self._trimmed and not (self._phase != FREE).any():
             release_cached_memory()
+            self._trimmed = False
 
     def _out_of_memory(self) -> None:
         log.warning("device out of memory: splitting work and deferring admissions")

@@ -41,7 +41,7 @@ def test_decode_attention_matches_the_plain_attention(kernels, t):
     CUDA) against the plain attention over a one-pool cache; a row at the cache's end writes only the
     scratch page, and no other slot's K/V changes."""
     torch.manual_seed(2)
-    heads, kv_heads, head_dim, hidden, cap, b, page = 4, 2, 32, 64, 40, 3, 8
+    heads, kv_heads, head_dim, hidden, cap, b, page = 4, 2, 32, 64, 40, 3, 16
     attn = Attention(hidden, heads, kv_heads, head_dim, 1e-6)
     norm = RMSNorm(hidden, 1e-6)
     with torch.no_grad():

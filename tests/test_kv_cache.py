@@ -11,9 +11,9 @@ from tests.triton_cpu import require_triton
 LAYERS, HEADS, DIM = 2, 2, 4
 
 
-def cache(separate=False, slots=3, capacity=20, page=4, **kw):
+def cache(separate=False, slots=3, capacity=20, page=4, chunk_pages=1, **kw):
     return KVCache(LAYERS, slots, capacity, HEADS, DIM, torch.float32, "cpu", page_size=page,
-                   separate_pages=separate, **kw)
+                   separate_pages=separate, chunk_pages=chunk_pages, **kw)
 
 
 @pytest.fixture(params=[False, True], ids=["pool", "separate"])
@@ -40,17 +40,20 @@ def test_pages_are_taken_as_reserved_and_reused_after_release(separate):
     assert c.page_counts[1] == 5 and c.reserved([1]).tolist() == [20]
 
 
-def test_trim_frees_spare_pages_of_separate_storage():
+def test_trim_frees_chunks_whose_pages_are_all_free():
     require_triton()
-    c = cache(True)
-    c.reserve([0, 1, 2], [20, 20, 8])
+    c = cache(True, chunk_pages=2)
+    c.reserve([0, 1, 2], [20, 20, 8])            # 12 pages in 6 chunks (slot 1 starts in slot 0's last)
     before = c.bytes_held()
     c.release([0, 1])
-    assert c.pages_free == 10
-    assert c.trim(keep=3) == 7 * c.page_bytes
-    assert c.pages_free == 3 and c.pages_held == 5 and c.bytes_held() == before - 7 * c.page_bytes
-    c.reserve([0], [20])                         # 3 spare pages, then 2 new ones
-    assert c.pages_free == 0 and c.pages_held == 7
+    assert c.pages_free == 10 and c.pages_held == 12
+    assert c.trim(keep=3) == 8 * c.page_bytes     # whole chunks only, until at most 3 pages are free
+    assert c.pages_free == 2 and c.pages_held == 4 and c.bytes_held() == before - 8 * c.page_bytes
+    c.reserve([0], [20])                         # the 2 free pages, then 2 new chunks
+    assert c.pages_in_use == 7 and c.pages_free == 1 and c.pages_held == 8
+    assert c.trim() == 0                         # no chunk is wholly free
+    c.release([0, 2])
+    assert c.trim() == 8 * c.page_bytes and c.pages_held == 0
 
 
 def test_page_budget_raises_out_of_memory_and_keeps_what_was_taken(separate):

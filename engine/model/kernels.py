@@ -420,10 +420,12 @@ if triton is not None:
         for k0 in range(0, end, BLOCK_K):
             idx = k0 + tl.arange(0, BLOCK_K)
             in_range = idx < end
-            # page offsets and rows are multiples of 16 elements (pages are 512-byte aligned, D >= 32):
-            # said so, the key and value rows load as wide vectors
-            at = tl.multiple_of(tl.load(pages + idx // PAGE, mask=in_range, other=0) + (idx % PAGE) * (HKV * D), 16)
-            kp = k_cache + at[:, None]
+            # A block lies in one page (BLOCK_K divides PAGE): one offset load, then the rows as in a
+            # contiguous cache. Offsets are multiples of 16 elements (pages are 512-byte aligned):
+            # said so, the key and value rows load as wide vectors.
+            page = tl.multiple_of(tl.load(pages + k0 // PAGE), 16)
+            at = (k0 % PAGE + tl.arange(0, BLOCK_K)) * (HKV * D)
+            kp = k_cache + page + at[:, None]
             keys1 = tl.load(kp + i[None, :], mask=in_range[:, None], other=0.0)
             keys2 = tl.load(kp + HALF + i[None, :], mask=in_range[:, None], other=0.0)
             if IEEE:
@@ -436,7 +438,7 @@ if triton is not None:
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache + at[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
+            v = tl.load(v_cache + page + at[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v, input_precision="ieee")
             else:
@@ -465,7 +467,7 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
 
     qkv [B, T, (heads + 2 * kv_heads) * head_dim]: the fused QKV projection of T new positions
     start[b] .. start[b]+T-1 of row b, which is slot b of `layer` in `cache` (an `engine.kv_cache.
-    KVCache`, whose pages the kernel finds through its table). Q and K are RMS-normed per head and
+    KVCache`, whose pages, a power of two >= 16 positions, the kernel finds through its table). Q and K are RMS-normed per head and
     rotated (RoPE from the positions and inv_freq, fp32), the new K/V are written to the cache, and
     each query attends causally over keys 0 .. its own position. Reads exactly the row's live keys:
     no mask, no kv bucket.
@@ -474,16 +476,16 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     lengths at warm-up say nothing of the load, and timing must not write into live rows).
     """
     b, t, width = qkv.shape
-    head_dim = cache.head_dim
+    head_dim, page = cache.head_dim, cache.page_size
     if (width != (heads + 2 * kv_heads) * head_dim or kv_heads != cache.kv_heads
-            or not decode_attention_supports(head_dim)):
+            or not decode_attention_supports(head_dim) or page < 16 or page & (page - 1)):
         raise ValueError(f"decode_attention: unsupported shapes qkv {tuple(qkv.shape)}, "
-                         f"cache of {cache.kv_heads} x {head_dim}")
+                         f"cache of {cache.kv_heads} x {head_dim}, pages of {page}")
     qkv = qkv.contiguous()
     out = torch.empty(b, t, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
 
     def launch(c, cache=cache, layer=layer, start=start, out=out):
-        block = max(16, min(c["BLOCK_K"], triton.next_power_of_2(cache.capacity)))
+        block = max(16, min(c["BLOCK_K"], triton.next_power_of_2(cache.capacity), cache.page_size))
         k_offset, v_offset = cache.layer_offsets(layer)
         _decode_attention_kernel[(b, kv_heads)](
             qkv, out, cache.anchor, cache.table, start, q_norm_weight, k_norm_weight, inv_freq,
