@@ -37,8 +37,9 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str, page_size: int = 64,
                  reserve_all: bool = False, separate_pages: bool | None = None, chunk_pages: int | None = None):
         """capacity: positions per slot. reserve_all: every slot's whole capacity is reserved now (a
-        static cache: tests, benchmarks, the code predictor's one-frame cache). separate_pages: the
-        page storage (default: chunks on CUDA when Triton is there, else one pool). chunk_pages: pages
+        static cache: tests, benchmarks, the code predictor's one-frame cache). separate_pages: pages in
+        chunk tensors of their own, addressed by offset (default on CUDA when Triton is there), or in
+        one pool. chunk_pages: pages
         a chunk (default: CHUNK_BYTES' worth, at most what every slot's capacity needs)."""
         device = torch.device(device)
         self.num_layers, self.num_slots, self.capacity = num_layers, num_slots, capacity
