@@ -84,16 +84,25 @@ def pick_dtype(name: Optional[str], device: str) -> torch.dtype:
 
 
 KV_CACHE_SHARE = 0.7     # of the GPU memory free before warm-up, at most for the talker cache's pages
+SLOT_POSITIONS = 2048    # a long turn, to size the slots by
+
+
+def kv_bytes_per_position(model) -> int:
+    t = model.config.talker.transformer
+    return t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * torch.finfo(model.dtype).bits // 8
 
 
 def size_engine(model, max_batch: Optional[int]) -> tuple[int, Optional[int]]:
-    """(max_batch, max_cache_bytes) for the scheduler: 16 slots on the CPU, 256 on a GPU; on a GPU
-    the talker cache's pages may take up to KV_CACHE_SHARE of the free memory (they are taken as
-    turns need them, so an idle server holds little of it)."""
+    """(max_batch, max_cache_bytes) for the scheduler. 16 slots on the CPU. On a GPU, as many slots (at
+    most 256) as turns of SLOT_POSITIONS fit in KV_CACHE_SHARE of the free memory, with half as much
+    again for their vocoder state and activations (the CUDA graphs of the larger batches hold those);
+    the cache's pages may take up to that share, but are taken only as turns need them."""
     if model.device.type != "cuda":
         return max_batch or 16, None
     free, _ = torch.cuda.mem_get_info(model.device)
-    return max_batch or 256, int(free * KV_CACHE_SHARE)
+    budget = free * KV_CACHE_SHARE
+    per_slot = SLOT_POSITIONS * kv_bytes_per_position(model) * 1.5
+    return max_batch or max(1, min(256, int(budget // per_slot))), int(budget)
 
 
 class Service:
