@@ -41,6 +41,11 @@ fi
 if has first_audio; then
   timeout 120 python3 -m bench.first_audio --model-dir "$MODEL" --out "$R" > "$OUTD/first_audio.log" 2>&1
   echo "first_audio rc=$? at $((SECONDS-t0)) s"
+  # a burst of BURST sessions at once (0: none): where the admission time goes at load
+  if (( ${BURST:-256} > 0 )); then
+    timeout 180 python3 -m bench.first_audio --model-dir "$MODEL" --sessions ${BURST:-256} --reps 2 --out "$R" >> "$OUTD/first_audio.log" 2>&1
+    echo "first_audio burst rc=$? at $((SECONDS-t0)) s"
+  fi
 fi
 if has throughput; then
   timeout 300 python3 -m bench.throughput --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --out "$R" > "$OUTD/throughput.log" 2>&1

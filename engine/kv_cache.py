@@ -80,6 +80,11 @@ class KVCache:
         return len(self._chunk_of) if self.separate_pages else self._pool_used - 1
 
     @property
+    def chunks_held(self) -> int:
+        """Chunk tensors of separate storage (each one device allocation)."""
+        return len(self._chunks)
+
+    @property
     def page_bytes(self) -> int:
         return self.page_elems * self.anchor.element_size()
 
