@@ -32,6 +32,10 @@ from .model import kernels
 CHUNK_BYTES = 128 << 20          # device memory allocated at once for pages (separate storage)
 
 
+class CacheFull(torch.OutOfMemoryError):
+    """The cache holds its most pages (`max_pages`): pages come back only as slots release theirs."""
+
+
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, capacity: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, page_size: int = 64,
@@ -94,8 +98,8 @@ class KVCache:
 
     def reserve(self, slots: list[int], positions: list[int]) -> None:
         """Make positions 0..positions[i]-1 of slot slots[i] writable (pages it lacks are taken from
-        the free list or allocated). Raises torch.OutOfMemoryError when a page cannot be had; the
-        pages taken before that stay with their slots."""
+        the free list or allocated). Raises CacheFull past `max_pages`, torch.OutOfMemoryError when
+        the device has no room; the pages taken before that stay with their slots."""
         rows, cols, offsets = [], [], []
         try:
             for slot, n in zip(slots, positions):
@@ -147,7 +151,7 @@ class KVCache:
         if self._free:
             return self._free.pop()
         if self.max_pages is not None and self.pages_held >= self.max_pages:
-            raise torch.OutOfMemoryError(f"the KV cache holds its most pages ({self.max_pages})")
+            raise CacheFull(f"the KV cache holds its most pages ({self.max_pages})")
         if self.separate_pages:
             n = self.chunk_pages
             if self.max_pages is not None:

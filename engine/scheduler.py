@@ -49,6 +49,7 @@ import torch
 
 from .prompt import PromptBuilder, resolve_language
 from .requests import AudioChunk, SpeechRequest, TurnResult
+from .kv_cache import CacheFull
 from .runner import EOS, RUNNING, ModelRunner
 from .sampling import SamplingTensors
 from .streaming import StreamingVocoder, WindowPolicy, release_cached_memory
@@ -271,6 +272,7 @@ class Scheduler:
         self._stopped = False
         self._defer_admissions = 0
         self._trimmed = False                   # cache pages went back to the allocator since it was emptied
+        self._cache_full = False                # an admission found the cache's page budget spent
         self._steps = self._frames_total = self._ooms = self._text_waits = 0
         self._last_step_ms, self._last_batch, self._last_sat_out = 0.0, 0, 0
         self._step_s = cfg.samples_per_frame / cfg.sample_rate   # recent seconds per step (starts at real time)
@@ -417,7 +419,7 @@ class Scheduler:
         decode = self._phase == DECODE
         if (decode & ((self._trail_pos < self._trail_len) | self._text_done)).any():
             return True
-        return bool(self._free) and any(self._ready(s) for s in self._waiting)
+        return bool(self._free) and not self._cache_full and any(self._ready(s) for s in self._waiting)
 
     def _iterate(self) -> None:
         t0 = time.perf_counter()
@@ -449,6 +451,8 @@ class Scheduler:
         return needed is not None and len(s.ids) >= needed
 
     def _admit(self) -> None:
+        if self._cache_full:            # the cache's page budget is spent: wait for a session to end
+            return
         admitted = []
         for s in list(self._waiting):
             if len(admitted) == len(self._free):
@@ -472,7 +476,14 @@ class Scheduler:
             slot = self._free[len(admitted)]      # the slot it will take (the lowest free first)
             try:
                 self.runner.reserve([slot], [int(estimate) + 1])
-            except torch.OutOfMemoryError:       # no room for its cache now: it waits, in order
+            except CacheFull:                    # no room for its cache now: it waits, in order
+                self.runner.release([slot])
+                if not admitted and not (self._phase != FREE).any():   # and none will come back: it never fits
+                    self._close(s, "error", f"the turn does not fit in the KV cache ({int(estimate)} positions)")
+                    continue
+                self._cache_full = True
+                break
+            except torch.OutOfMemoryError:
                 self.runner.release([slot])
                 self._out_of_memory()
                 break
@@ -574,6 +585,8 @@ class Scheduler:
             try:
                 out = self.runner.step(n, active.tolist(), text)
                 break
+            except CacheFull:           # retrying would not bring pages back
+                break
             except torch.OutOfMemoryError:
                 self._out_of_memory()
         if out is None:     # nothing advanced; the next iteration tries again, without the rows
@@ -600,9 +613,9 @@ class Scheduler:
         return ended
 
     def _out_of_pages(self, n: int, active: np.ndarray) -> Optional[list[_Session]]:
-        """Rows whose next position has no cache page after the retries end as if their frame limit
-        came (their audio so far is delivered): the other sessions are not held up waiting for memory
-        that may not come back."""
+        """Rows whose next position has no cache page (the page budget is spent, or the device had no
+        room after the retries) end as if their frame limit came (their audio so far is delivered):
+        the other sessions are not held up waiting for memory that may not come back."""
         runner = self.runner
         rows = np.flatnonzero(active & (runner.lengths[:n] >= runner.cache.reserved(slice(0, n))))
         if not rows.size:
@@ -654,6 +667,7 @@ class Scheduler:
             self._free.append(s.slot)
             self._free.sort()
             self.runner.release([s.slot])
+            self._cache_full = False
             s.slot = None
         codes = None
         if self.keep_codes:
