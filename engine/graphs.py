@@ -105,9 +105,9 @@ class PrefillGraphs:
     at a time. Eagerly, the talker's 28 layers are ~600 small kernels launched from Python (~25 ms on
     an H200, most of a first chunk's time); replayed, they cost what the GPU takes. The prompt is
     right-padded to its bucket: the padding's K/V land after the prompt, in the row's pages (which
-    the decode steps overwrite) or the cache's scratch page, where no real query looks (causal). Up to `max_rows` prompts admitted
-    together replay it one after the other; more rows, and chunks that continue a long prompt, run
-    eagerly.
+    the decode steps overwrite) or the cache's scratch page, where no real query looks (causal). Up
+    to `max_rows` prompts admitted together replay it one after the other; more rows, and chunks
+    that continue a long prompt, run eagerly.
     """
 
     def __init__(self, runner, buckets=(16, 32, 64, 128, 256), max_rows: int = 4):

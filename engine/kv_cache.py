@@ -43,8 +43,8 @@ class KVCache:
         """capacity: positions per slot. reserve_all: every slot's whole capacity is reserved now (a
         static cache: tests, benchmarks, the code predictor's one-frame cache). separate_pages: pages in
         chunk tensors of their own, addressed by offset (default on CUDA when Triton is there), or in
-        one pool. chunk_pages: pages
-        a chunk (default: CHUNK_BYTES' worth, at most what every slot's capacity needs)."""
+        one pool. chunk_pages: pages a chunk (default: CHUNK_BYTES' worth, at most what every slot's
+        capacity needs)."""
         device = torch.device(device)
         self.num_layers, self.num_slots, self.capacity = num_layers, num_slots, capacity
         self.kv_heads, self.head_dim, self.page_size = kv_heads, head_dim, page_size
@@ -94,7 +94,7 @@ class KVCache:
 
     def bytes_held(self) -> int:
         """Device memory of the pages, the scratch page and (one pool) its unused room included."""
-        return (len(self._chunk_of) + 1 if self.separate_pages else self.pool.shape[0]) * self.page_bytes
+        return (self.pages_held + 1 if self.separate_pages else self.pool.shape[0]) * self.page_bytes
 
     def reserve(self, slots: list[int], positions: list[int]) -> None:
         """Make positions 0..positions[i]-1 of slot slots[i] writable (pages it lacks are taken from
@@ -112,9 +112,9 @@ class KVCache:
                     cols.append(col)
                     offsets.append(offset)
         finally:
-            if rows:
-                idx = torch.as_tensor([rows, cols], dtype=torch.long).to(self.table.device)
-                self.table[idx[0], idx[1]] = torch.as_tensor(offsets, dtype=torch.long).to(self.table.device)
+            if rows:       # one host-to-device copy for the new table entries
+                r, c, o = torch.as_tensor([rows, cols, offsets], dtype=torch.long).to(self.table.device)
+                self.table[r, c] = o
 
     def reserved(self, slots) -> np.ndarray:
         """Positions of each of `slots` (indices into the slots) that are writable."""

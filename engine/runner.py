@@ -50,8 +50,9 @@ class ModelRunner:
 
         capacity: talker positions per slot (prompt + frames); a row whose cache would overflow
         finishes with LIMIT. The cache's pages are taken as rows reach them (`prefill`, `step`) or
-        ahead (`reserve`), and given back by `release`; page_size: positions a page. kv_bucket: attention reads keys up to the live maximum length rounded up
-        to this multiple (fewer distinct shapes; 1 = exact length).
+        ahead (`reserve`), and given back by `release`; page_size: positions a page.
+        kv_bucket: attention reads keys up to the live maximum length rounded up to this multiple
+        (fewer distinct shapes; 1 = exact length).
         """
         self.talker = model.talker
         cfg = model.config.talker
@@ -92,6 +93,10 @@ class ModelRunner:
     def release(self, slots: list[int]) -> None:
         """The slots' cache pages go back to the free list (their sequences ended)."""
         self.cache.release(slots)
+
+    def unreserved(self, n: int, active: np.ndarray) -> np.ndarray:
+        """Active rows among slots 0..n-1 whose next position is in a page they have not reserved."""
+        return np.flatnonzero(active & (self.lengths[:n] >= self.cache.reserved(slice(0, n))))
 
     def admit(self, slots: list[int], params: list[SamplingParams], max_frames: list[int]) -> None:
         """Give `slots` fresh state for new requests (their old contents are forgotten)."""
@@ -208,8 +213,8 @@ class ModelRunner:
         graphs enabled (`use_cuda_graphs`), the device part replays a captured graph per bucket.
         """
         on_host = np.asarray(active, dtype=bool)
-        short = np.flatnonzero(on_host & (self.lengths[:n] >= self.cache.reserved(slice(0, n))))
-        if short.size:          # rows entering a page they have not reserved
+        short = self.unreserved(n, on_host)
+        if short.size:
             self.cache.reserve(short.tolist(), (self.lengths[short] + 1).tolist())
         live = int(self.lengths[:n].max()) + 1
         if self.graphs is not None:

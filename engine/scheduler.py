@@ -616,8 +616,7 @@ class Scheduler:
         """Rows whose next position has no cache page (the page budget is spent, or the device had no
         room after the retries) end as if their frame limit came (their audio so far is delivered):
         the other sessions are not held up waiting for memory that may not come back."""
-        runner = self.runner
-        rows = np.flatnonzero(active & (runner.lengths[:n] >= runner.cache.reserved(slice(0, n))))
+        rows = self.runner.unreserved(n, active)
         if not rows.size:
             return None
         log.warning("no device memory for the KV cache of %d sessions: ending their turns", rows.size)

@@ -543,7 +543,7 @@ if triton is not None:
 
 
 def kv_write(cache, layer: int, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, rows: torch.Tensor) -> None:
-    """`KVCache.write` for pages that are tensors of their own: k, v [B, T, kv_heads, head_dim]."""
+    """`KVCache.write` for pages in chunks of their own (found by offset): k, v [B, T, kv_heads, head_dim]."""
     b, t, h, d = k.shape
     k, v = (x if x.stride(2) == d and x.stride(3) == 1 else x.contiguous() for x in (k, v))   # [H, D] dense
     k_offset, v_offset = cache.layer_offsets(layer)
@@ -553,7 +553,7 @@ def kv_write(cache, layer: int, k: torch.Tensor, v: torch.Tensor, start: torch.T
 
 
 def kv_read(cache, layer: int, rows: torch.Tensor, kmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`KVCache.read` for pages that are tensors of their own -> k, v [B, kmax, kv_heads, head_dim]."""
+    """`KVCache.read` for pages in chunks of their own (found by offset) -> k, v [B, kmax, kv_heads, head_dim]."""
     b, h, d = rows.shape[0], cache.kv_heads, cache.head_dim
     k = torch.empty(b, kmax, h, d, dtype=cache.anchor.dtype, device=cache.anchor.device)
     v = torch.empty_like(k)
