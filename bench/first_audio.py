@@ -9,7 +9,7 @@ chunk (and say how many KV chunks were allocated meanwhile); the steady-state ro
 iterations after it.
 
     python -m bench.first_audio --model-dir /tmp/rand06b --reps 5
-    python -m bench.first_audio --model-dir /tmp/rand06b --reps 2 --sessions 256
+    python -m bench.first_audio --model-dir /tmp/rand06b --reps 2 --sessions 256 --profile
 """
 from __future__ import annotations
 
@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=40)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sessions", type=int, default=1, help="requests submitted at once")
+    ap.add_argument("--profile", action="store_true", help="then profile one more burst (torch.profiler tables)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = load_model(args.model_dir, device=args.device, dtype=getattr(torch, args.dtype))
@@ -106,6 +107,11 @@ def main() -> None:
     row = {"peer": "qwen3-tts-server", "kind": "first_audio", "device": args.device, "dtype": args.dtype,
            "first_audio_ms_median": statistics.median(r["first_audio_ms"] for r in rows), **best}
     emit(row, args.out)
+    if args.profile:
+        with torch.profiler.profile() as prof:
+            burst(scheduler, voice, args.frames, 0, args.sessions)
+        for key in ("cpu_time_total", "self_cpu_time_total", "device_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,10 @@ if has checks; then
   timeout 200 python3 -m bench.gpu_checks --model-dir "$MODEL" --out "$R" > "$OUTD/checks.log" 2>&1
   echo "checks rc=$? at $((SECONDS-t0)) s"
 fi
+if has memory; then
+  timeout 200 python3 -m bench.memory --model-dir "$MODEL" --out "$R" > "$OUTD/memory.log" 2>&1
+  echo "memory rc=$? at $((SECONDS-t0)) s"
+fi
 if has breakdown; then
   timeout 240 python3 -m bench.breakdown --model-dir "$MODEL" --batches ${BATCHES_BREAKDOWN:-1,64,256} --out "$R" > "$OUTD/breakdown.log" 2>&1
   echo "breakdown rc=$? at $((SECONDS-t0)) s"
@@ -43,7 +47,7 @@ if has first_audio; then
   echo "first_audio rc=$? at $((SECONDS-t0)) s"
   # a burst of BURST sessions at once (0: none): where the admission time goes at load
   if (( ${BURST:-256} > 0 )); then
-    timeout 180 python3 -m bench.first_audio --model-dir "$MODEL" --sessions ${BURST:-256} --reps 2 --out "$R" >> "$OUTD/first_audio.log" 2>&1
+    timeout 180 python3 -m bench.first_audio --model-dir "$MODEL" --sessions ${BURST:-256} --reps 2 ${BURST_PROFILE:+--profile} --out "$R" >> "$OUTD/first_audio.log" 2>&1
     echo "first_audio burst rc=$? at $((SECONDS-t0)) s"
   fi
 fi
