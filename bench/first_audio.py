@@ -94,17 +94,20 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=40)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sessions", type=int, default=1, help="requests submitted at once")
+    ap.add_argument("--prefill-budget", type=int, default=None, help="the scheduler's prompt positions per iteration")
     ap.add_argument("--profile", action="store_true", help="then profile one more burst (torch.profiler tables)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     model = load_model(args.model_dir, device=args.device, dtype=getattr(torch, args.dtype))
     voice = model.make_voice(np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1, 24000)
-    scheduler = Scheduler(model, max_batch=args.sessions)
+    scheduler = Scheduler(model, max_batch=args.sessions,
+                          **({"prefill_budget": args.prefill_budget} if args.prefill_budget else {}))
     scheduler.warmup()
     burst(scheduler, voice, 8, 0)     # allocator, lazy inits
     rows = [burst(scheduler, voice, args.frames, 1000 * (rep + 1), args.sessions) for rep in range(args.reps)]
     best = min(rows, key=lambda r: r["first_audio_ms"])
     row = {"peer": "qwen3-tts-server", "kind": "first_audio", "device": args.device, "dtype": args.dtype,
+           "prefill_budget": scheduler.prefill_budget,
            "first_audio_ms_median": statistics.median(r["first_audio_ms"] for r in rows), **best}
     emit(row, args.out)
     if args.profile:

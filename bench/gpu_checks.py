@@ -81,10 +81,13 @@ def scheduler_graphs_vs_eager(model) -> dict:
                                        language="english", sampling=SamplingParams(greedy=True, min_new_tokens=32), max_frames=30))
             chunks, result = h.collect(timeout=300)
             out[graphs] = (result.codes, np.concatenate([c.pcm for c in chunks]))
-    codes_equal = float((out[True][0] == out[False][0]).mean()) if out[True][0].shape == out[False][0].shape else 0.0
+    same_shape = len(out[True][1]) == len(out[False][1]) and out[True][0].shape == out[False][0].shape
+    codes_equal = float((out[True][0] == out[False][0]).mean()) if same_shape else 0.0
+    # the graphs share one memory pool: an output overwritten by another graph's replay shows here
+    pcm_diff = float(np.abs(out[True][1] - out[False][1]).max()) if same_shape else float("inf")
     return dict(check="scheduler_graphs_vs_eager", codes_equal=codes_equal, frames=int(out[True][0].shape[0]),
-                samples=[len(out[True][1]), len(out[False][1])],
-                ok=len(out[True][1]) == len(out[False][1]) and out[True][0].shape == out[False][0].shape)
+                samples=[len(out[True][1]), len(out[False][1])], pcm_max_abs_diff=round(pcm_diff, 5),
+                ok=codes_equal == 1.0 and pcm_diff < 0.05)
 
 
 def kv_pages_come_and_go(model) -> dict:

@@ -2,9 +2,9 @@
 
 Builds the engine as the server does (`--max-batch` slots, the server's warm-up kv span) and
 measures PyTorch's tensors (`allocated`) and its allocator's total (`reserved`) after each part:
-the loaded model, the scheduler's buffers, then the decode-step, prefill and vocoder graphs captured
-one family at a time. The graphs' memory is their pools (what a replay's intermediates use), which
-stays reserved for as long as the graphs live; the last row is the device's own count.
+the loaded model, the scheduler's buffers, then the vocoder, decode-step and prefill graphs captured
+one family at a time into the scheduler's one pool (what a replay's intermediates use, reserved for
+as long as the graphs live). Each row also has the device's own count.
 
     python -m bench.memory --model-dir /tmp/rand06b --max-batch 256
 """
@@ -48,16 +48,14 @@ def main() -> None:
     row("model")
     scheduler = Scheduler(model, max_batch=args.max_batch)
     row("scheduler buffers")
-    runner, vocoder = scheduler.runner, scheduler.vocoder
-    runner.graphs.capture(WARMUP_KV_KEYS)
-    row(f"decode-step graphs ({len(runner.graphs.graphs)})")
-    runner.prefill_graphs.capture()
-    row(f"prefill graphs ({len(runner.prefill_graphs.graphs)})")
-    for b in vocoder.graphs.batch_buckets:          # the vocoder's graphs bucket by bucket: which ones cost
-        for w in vocoder.graphs.windows:
-            vocoder.graphs._capture(b, w)
-        if b in (1, 64, 128, args.max_batch):
-            row(f"vocoder graphs up to {b} streams ({len(vocoder.graphs.graphs)})")
+    runner, vocoder = scheduler.runner, scheduler.vocoder      # in `Scheduler.warmup`'s order
+    with torch.no_grad():
+        vocoder.graphs.capture()
+        row(f"vocoder graphs ({len(vocoder.graphs.graphs)})")
+        runner.graphs.capture(WARMUP_KV_KEYS)
+        row(f"decode-step graphs ({len(runner.graphs.graphs)})")
+        runner.prefill_graphs.capture()
+        row(f"prefill graphs ({len(runner.prefill_graphs.graphs)})")
     pools: dict = {}                                # the allocator's segments by pool: sizes and use
     for seg in torch.cuda.memory_snapshot():
         p = pools.setdefault(str(seg.get("segment_pool_id")), {"segments": 0, "total": 0, "allocated": 0, "largest": []})

@@ -7,8 +7,15 @@ has static shapes for a given (n, kmax) and only in-place state updates, so it i
 the batch is padded up to a bucket with inactive rows (whose state `decode` leaves untouched) and
 attention spans a bucketed number of keys (with the fused decode path, `DecoderStack._decode`,
 attention reads each row's live keys itself, so one kv bucket, the capacity, serves). Graphs are
-captured on first use of a bucket (or up front by `capture`) from a shared memory pool; capturing
-runs with every row inactive, so it is safe while sessions are live.
+captured on first use of a bucket (or up front by `capture`); capturing runs with every row
+inactive, so it is safe while sessions are live.
+
+Memory: a graph keeps what its replay's intermediates use for as long as it lives (its pool). The
+graphs of one scheduler (step, prefill, vocoder) share one pool, so they hold what the largest
+needs, not the sum (on an H200 at 256 slots: 18.7 GiB as separate pools grown smallest first). That
+is safe because replays run one at a time on one stream and each graph's output is copied out
+before another graph replays. `capture` goes largest first: a later, smaller graph fits in the
+blocks the larger one left, where the other order leaves each bucket's blocks too small for the next.
 """
 from __future__ import annotations
 
@@ -30,10 +37,17 @@ def _kv_buckets(capacity: int) -> list[int]:
     return out + [capacity]
 
 
+_warmup_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
 def capture_graph(forward, pool, context=contextlib.nullcontext):
     """(graph, output) of `forward()` captured from the memory pool `pool`, after one eager run on a
-    side stream (lazy inits, the allocator, cuBLAS and cuDNN choices), both under `context()`."""
-    stream = torch.cuda.Stream()
+    side stream (lazy inits, the allocator, cuBLAS and cuDNN choices), both under `context()`.
+
+    The side stream is one per device: cuBLAS keeps a workspace for every stream it ran on (32 MiB
+    each on an H200, ~1 GiB for a new stream per capture)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = _warmup_streams.get(device) or _warmup_streams.setdefault(device, torch.cuda.Stream(device))
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.no_grad(), context():
         forward()
@@ -45,7 +59,7 @@ def capture_graph(forward, pool, context=contextlib.nullcontext):
 
 
 class StepGraphs:
-    def __init__(self, runner, batch_buckets=None, kv_buckets=None):
+    def __init__(self, runner, batch_buckets=None, kv_buckets=None, pool=None):
         self.runner = runner
         max_batch = runner.max_batch
         buckets = sorted({b for b in (batch_buckets or DEFAULT_BATCH_BUCKETS) if b < max_batch} | {max_batch})
@@ -57,7 +71,7 @@ class StepGraphs:
         hidden = runner.h.shape[1]
         self.act = torch.zeros(max_batch, dtype=torch.bool, device=runner.device)
         self.text = torch.zeros(max_batch, hidden, dtype=runner.dtype, device=runner.device)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool or torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def bucket(self, n: int, live: int) -> tuple[int, int, bool, bool]:
@@ -80,11 +94,11 @@ class StepGraphs:
         return out[:n]
 
     def capture(self, max_live: int | None = None) -> int:
-        """Capture every batch bucket for kv buckets up to `max_live` keys (server warm-up)."""
+        """Capture every batch bucket for kv buckets up to `max_live` keys (server warm-up), largest first."""
         kvs = [k for k in self.kv_buckets if max_live is None or k <= max(max_live, self.kv_buckets[0])]
         p = self.runner.params
-        for b in self.batch_buckets:
-            for k in kvs:
+        for b in reversed(self.batch_buckets):
+            for k in reversed(kvs):
                 key = (b, k, p.talker_top_p_any, p.sub_top_p_any)
                 if key not in self.graphs:
                     self._capture(key)
@@ -110,7 +124,7 @@ class PrefillGraphs:
     that continue a long prompt, run eagerly.
     """
 
-    def __init__(self, runner, buckets=(16, 32, 64, 128, 256), max_rows: int = 4):
+    def __init__(self, runner, buckets=(16, 32, 64, 128, 256), max_rows: int = 4, pool=None):
         self.runner = runner
         self.max_rows = max_rows
         self.buckets = [b for b in sorted(buckets) if b <= runner.capacity]
@@ -118,7 +132,7 @@ class PrefillGraphs:
         self.x = torch.zeros(1, max(self.buckets, default=0), hidden, dtype=runner.dtype, device=runner.device)
         self.slot = torch.zeros(1, dtype=torch.long, device=runner.device)
         self.start = torch.zeros(1, dtype=torch.long, device=runner.device)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool or torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def fits(self, positions: int) -> bool:
@@ -137,7 +151,7 @@ class PrefillGraphs:
         return out[:, :t]
 
     def capture(self) -> int:
-        for bucket in self.buckets:
+        for bucket in reversed(self.buckets):
             if bucket not in self.graphs:
                 self._capture(bucket)
         return len(self.graphs)
@@ -177,7 +191,7 @@ class VocoderGraphs:
     server's warm-up to 95 s.
     """
 
-    def __init__(self, streams, windows, batch_buckets=None):
+    def __init__(self, streams, windows, batch_buckets=None, pool=None):
         self.streams = streams
         n = streams.max_streams
         self.windows = sorted({1, *windows})
@@ -185,7 +199,7 @@ class VocoderGraphs:
         device = streams.frames.device
         self.slots = torch.full((n,), streams.pad_slot, dtype=torch.long, device=device)
         self.codes = torch.zeros(n, max(self.windows), 16, dtype=torch.long, device=device)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool or torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def decode(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -206,8 +220,8 @@ class VocoderGraphs:
         return out[:b]
 
     def capture(self) -> int:
-        for b in self.batch_buckets:
-            for w in self.windows:
+        for b in reversed(self.batch_buckets):
+            for w in reversed(self.windows):
                 if (b, w) not in self.graphs:
                     self._capture(b, w)
         return len(self.graphs)

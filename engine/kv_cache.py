@@ -27,6 +27,7 @@ import collections
 import numpy as np
 import torch
 
+from .host import to_device
 from .model import kernels
 
 CHUNK_BYTES = 128 << 20          # device memory allocated at once for pages (separate storage)
@@ -113,7 +114,7 @@ class KVCache:
                     offsets.append(offset)
         finally:
             if rows:       # one host-to-device copy for the new table entries
-                r, c, o = torch.as_tensor([rows, cols, offsets], dtype=torch.long).to(self.table.device)
+                r, c, o = to_device([rows, cols, offsets], self.table.device, torch.long)
                 self.table[r, c] = o
 
     def reserved(self, slots) -> np.ndarray:
@@ -127,7 +128,7 @@ class KVCache:
             self._slot_pages[slot] = []
             self.page_counts[slot] = 0
         if slots:
-            self.table[torch.as_tensor(slots, dtype=torch.long).to(self.table.device)] = 0
+            self.table[to_device(slots, self.table.device, torch.long)] = 0
 
     def trim(self, keep: int = 0) -> int:
         """Free chunks whose pages no slot holds while more than `keep` pages are free (separate

@@ -100,9 +100,10 @@ def _skip_random_init():
 
 
 def _place(module: nn.Module, device, dtype) -> nn.Module:
-    """Move to `device`; cast parameters and persistent buffers to `dtype`. Non-persistent buffers
-    (RoPE inv_freq, computed in fp32 at init as officially) keep their dtype."""
-    module.to(device)
+    """Cast parameters and persistent buffers to `dtype`, then move to `device`. Non-persistent
+    buffers (RoPE inv_freq, computed in fp32 at init as officially) keep their dtype. Cast on the host
+    first: cast on the device, the freed fp32 copies left holes among the weights that the allocator
+    kept reserved (1.4 GiB of the 0.6B model's)."""
     for m in module.modules():
         for name, p in m._parameters.items():
             if p is not None and p.is_floating_point():
@@ -110,7 +111,7 @@ def _place(module: nn.Module, device, dtype) -> nn.Module:
         for name, b in m._buffers.items():
             if b is not None and b.is_floating_point() and name not in m._non_persistent_buffers_set:
                 m._buffers[name] = b.to(dtype)
-    return module.eval().requires_grad_(False)
+    return module.to(device).eval().requires_grad_(False)
 
 
 def load_model(model_dir_or_hub_id: str | Path, device: str | torch.device = "cpu",

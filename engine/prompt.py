@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+from .host import to_device
 from .requests import VoicePrompt
 from .text import ROLE_PREFIX
 
@@ -68,7 +69,7 @@ class PromptBuilder:
             self.codec_pad_bos = talker.embed_codec(self._ids([t.codec_pad_id, t.codec_bos_id]))  # [2, D]
 
     def _ids(self, ids) -> torch.Tensor:
-        return torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        return to_device(ids, self.device, torch.long)
 
     def embed_text(self, ids) -> torch.Tensor:
         """E_t of target-text ids [n] -> [n, D] (for trailing rows fed as text arrives)."""
@@ -90,7 +91,7 @@ class PromptBuilder:
         name = resolve_language(language, self.config)
         prefix = ([t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id] if name == "auto" else
                   [t.codec_think_id, t.codec_think_bos_id, t.codec_language_id[name], t.codec_think_eos_id])
-        spk = xvector.to(device=self.device, dtype=self.tts_pad.dtype).reshape(1, -1)
+        spk = to_device(xvector, self.device).to(self.tts_pad.dtype).reshape(1, -1)
         codec = torch.cat([self.talker.embed_codec(self._ids(prefix)), spk, self.codec_pad_bos])   # C [L, D]
         n = codec.shape[0]
         text = torch.cat([self.tts_pad.expand(n - 2, -1), self.tts_bos[None]])
@@ -124,7 +125,7 @@ class PromptBuilder:
         return Prompt(torch.cat([head, body]), trailing)
 
     def _icl(self, text_ids, voice: VoicePrompt, non_streaming: bool, text_complete: bool, eos, empty):
-        codes = voice.ref_codes.to(self.device)
+        codes = to_device(voice.ref_codes, self.device)
         codec = torch.cat([self.codec_pad_bos[1:], self.talker.embed_frame(codes)])      # Y [Lc, D]
         lc = codec.shape[0]
         text = torch.cat([self.talker.embed_text(self._ids(list(voice.ref_text_ids) + list(text_ids))[None])[0], eos])

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .host import to_device
 from .requests import SamplingParams
 from .sampling import SamplingTensors, TalkerLogitsProcessor, sample_subtalker, sample_talker, subtalker_noise
 
@@ -76,12 +77,14 @@ class ModelRunner:
         self.graphs = None                            # engine.graphs.StepGraphs once enabled
         self.prefill_graphs = None                    # engine.graphs.PrefillGraphs once enabled
 
-    def use_cuda_graphs(self, batch_buckets=None, kv_buckets=None) -> None:
+    def use_cuda_graphs(self, batch_buckets=None, kv_buckets=None, pool=None) -> None:
         """Replay the decode step from CUDA graphs, captured per (batch, kv length) bucket on first use,
-        and one-row prefills per prompt-length bucket."""
+        and one-row prefills per prompt-length bucket; both from the memory pool `pool` (default: a
+        new one), which other graphs run in turn with this runner's may share (`engine.graphs`)."""
         from .graphs import PrefillGraphs, StepGraphs
-        self.graphs = StepGraphs(self, batch_buckets, kv_buckets)
-        self.prefill_graphs = PrefillGraphs(self)
+        pool = pool or torch.cuda.graph_pool_handle()
+        self.graphs = StepGraphs(self, batch_buckets, kv_buckets, pool)
+        self.prefill_graphs = PrefillGraphs(self, pool=pool)
 
     # -- admission and cache pages ---------------------------------------------------------------
 
@@ -100,12 +103,12 @@ class ModelRunner:
 
     def admit(self, slots: list[int], params: list[SamplingParams], max_frames: list[int]) -> None:
         """Give `slots` fresh state for new requests (their old contents are forgotten)."""
-        idx = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        idx = to_device(slots, self.device, torch.long)
         self.params.assign(idx, SamplingTensors.from_params(params, self.device))
         self.length[idx] = 0
         self.generated[idx] = 0
         self.seen[idx] = False
-        self.limit[idx] = torch.as_tensor(max_frames, dtype=torch.long, device=self.device)
+        self.limit[idx] = to_device(max_frames, self.device, torch.long)
         self.lengths[slots] = 0
 
     # -- prefill ---------------------------------------------------------------------------------
@@ -125,15 +128,15 @@ class ModelRunner:
         if any(st + n > self.capacity for st, n in zip(starts, sizes)):
             raise ValueError(f"prompt longer than the cache capacity {self.capacity}")
         self.cache.reserve(slots, [st + n for st, n in zip(starts, sizes)])
-        idx = torch.as_tensor(slots, dtype=torch.long, device=self.device)
-        start = torch.as_tensor(starts, dtype=torch.long, device=self.device)
+        idx = to_device(slots, self.device, torch.long)
+        start = to_device(starts, self.device, torch.long)
         hidden = self._prefill_forward(slots, chunks, starts, idx, start)
         self.lengths[slots] += sizes
-        self.length[idx] = start + torch.as_tensor(sizes, dtype=torch.long, device=self.device)
+        self.length[idx] = start + to_device(sizes, self.device, torch.long)
         done = [i for i, f in enumerate(last) if f]
         if not done:
             return [RUNNING] * len(slots)
-        rows = torch.as_tensor(done, dtype=torch.long, device=self.device)
+        rows = to_device(done, self.device, torch.long)
         di = idx[rows]
         h = hidden[rows]
         c0 = sample_talker(self.processor, self.talker.logits(h), self.seen[di], self.generated[di],
@@ -166,7 +169,7 @@ class ModelRunner:
         kmax = min(self.capacity, max(st + n for st, n in zip(starts, sizes)))
         hidden = self.talker(x, self.cache, start, slots=idx, kmax=kmax)
         return hidden[torch.arange(len(slots), device=self.device),
-                      torch.as_tensor([n - 1 for n in sizes], device=self.device)]
+                      to_device([n - 1 for n in sizes], self.device, torch.long)]
 
     def _status(self, c0, generated, length, limit) -> torch.Tensor:
         """EOS if c0 is EOS; LIMIT if c0 is frame number `limit` or the cache has no room for it."""
@@ -221,7 +224,7 @@ class ModelRunner:
             out = self.graphs.run(n, live, on_host, text_embeds)
         else:
             kmax = min(self.capacity, -(-live // self.kv_bucket) * self.kv_bucket)
-            act = torch.from_numpy(on_host).to(self.device, non_blocking=True)
+            act = to_device(on_host, self.device)
             out = self.decode(n, kmax, act, text_embeds.to(self.dtype))
         packed = out.cpu()
         self.lengths[:n] += on_host

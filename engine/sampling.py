@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .host import to_device
 from .model import kernels
 from .requests import SamplingParams
 
@@ -108,7 +109,7 @@ class SamplingTensors:
                     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
         def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, device, dtype)
 
         seeds = [(secrets.randbits(63) if p.seed is None else p.seed) % (1 << 63) for p in params]
         return cls(

@@ -47,6 +47,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from .host import to_device
 from .prompt import PromptBuilder, resolve_language
 from .requests import AudioChunk, SpeechRequest, TurnResult
 from .kv_cache import CacheFull
@@ -244,13 +245,15 @@ class Scheduler:
         self.runner = ModelRunner(model, max_batch, self.max_capacity, page_size=kv_page_size)
         if max_cache_bytes is not None:
             self.runner.cache.max_pages = max(1, max_cache_bytes // self.runner.cache.page_bytes)
+        pool = None
         if cuda_graphs and torch.device(self.device).type == "cuda":
-            self.runner.use_cuda_graphs()
+            pool = torch.cuda.graph_pool_handle()     # step, prefill and vocoder graphs: one pool
+            self.runner.use_cuda_graphs(pool=pool)
         self.vocoder = StreamingVocoder(model.vocoder, max_batch, WindowPolicy(*window_frames),
                                         cfg.samples_per_frame / cfg.sample_rate, cfg.talker.num_code_groups,
                                         self._out_of_memory)
-        if self.runner.graphs is not None:
-            self.vocoder.use_cuda_graphs()
+        if pool is not None:
+            self.vocoder.use_cuda_graphs(pool)
         self.samples_per_frame = cfg.samples_per_frame
         self._pad_id, self._eos_id = cfg.tts_pad_token_id, cfg.tts_eos_token_id
 
@@ -298,12 +301,13 @@ class Scheduler:
         """Capture the decode step's CUDA graphs for every batch bucket and the kv buckets up to
         `max_live` keys (default: all), the one-row prefills and the vocoder windows, before serving,
         so no session waits on a capture. Call before `start`. Returns the number of graphs (0 without
-        CUDA graphs)."""
+        CUDA graphs). The vocoder's go first: they need the most of the graphs' shared pool, and the
+        others then fit in it."""
         if self.runner.graphs is None:
             return 0
         with torch.no_grad():
-            n = self.runner.graphs.capture(max_live) + self.runner.prefill_graphs.capture()
-            return n + (self.vocoder.graphs.capture() if self.vocoder.graphs is not None else 0)
+            n = self.vocoder.graphs.capture()
+            return n + self.runner.graphs.capture(max_live) + self.runner.prefill_graphs.capture()
 
     def __enter__(self) -> "Scheduler":
         return self.start()
@@ -579,7 +583,7 @@ class Scheduler:
                 self._last_sat_out = int(decode.sum())
             return None   # everyone waits for text: the loop sleeps until a command arrives
         ids = np.where(has_text, self._trail[np.arange(n), np.minimum(pos, self._trail.shape[1] - 1)], self._pad_id)
-        text = self.model.talker.embed_text(torch.from_numpy(ids).to(self.device))
+        text = self.model.talker.embed_text(to_device(ids, self.device))
         out = None
         for _ in range(self.oom_retries + 1):
             try:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .host import to_device
 from .model.vocoder import VocoderStreams
 
 
@@ -79,10 +80,11 @@ class StreamingVocoder:
         self.started = np.zeros(max_streams)                   # time.monotonic() of the first audio
         self.graphs = None                                       # engine.graphs.VocoderGraphs once enabled
 
-    def use_cuda_graphs(self) -> None:
-        """Replay the window decodes of the policy's window sizes from CUDA graphs."""
+    def use_cuda_graphs(self, pool=None) -> None:
+        """Replay the window decodes of the policy's window sizes from CUDA graphs (from the memory
+        pool `pool`, default a new one)."""
         from .graphs import VocoderGraphs
-        self.graphs = VocoderGraphs(self.streams, self.policy.sizes())
+        self.graphs = VocoderGraphs(self.streams, self.policy.sizes(), pool=pool)
 
     def start(self, slots: list[int], ref_codes: list[torch.Tensor | None]) -> None:
         """Fresh streams for new sessions; ICL ones are primed by decoding their reference codes."""
@@ -95,7 +97,7 @@ class StreamingVocoder:
             if r is not None:
                 by_length.setdefault(r.shape[0], []).append((s, r))
         for group in by_length.values():   # one decode per reference length; the audio is dropped
-            self._decode(self._index([s for s, _ in group]), torch.stack([r for _, r in group]).to(self.device))
+            self._decode(self._index([s for s, _ in group]), to_device(torch.stack([r for _, r in group]), self.device))
 
     def add(self, rows: np.ndarray, frames: torch.Tensor) -> None:
         """Append frames[rows] (one frame each, [n, 16] on the device) to the pending windows of slots `rows`."""
@@ -145,7 +147,7 @@ class StreamingVocoder:
             raise
 
     def _index(self, values) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
+        return to_device(np.asarray(values, dtype=np.int64), self.device)
 
 
 def release_cached_memory() -> None:

@@ -1,0 +1,20 @@
+"""Host-to-device copies that do not wait for the GPU.
+
+A copy from pageable host memory returns only once the GPU has taken it, i.e. after every kernel
+queued before it has run: each small upload between launches (a prompt's ids, a slot's table entries)
+then stalls the host until the GPU drains its queue, and a burst of admissions runs at the GPU's
+latency, one session at a time (an H200 profile of 256 admissions: 830 ms of 1.2 s in such copies).
+Staged through pinned memory, the copy is queued like a kernel and the host goes on; PyTorch's pinned
+allocator keeps the staging block until the copy has run.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def to_device(values, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`values` (a list, a NumPy array, a tensor) as a tensor on `device`, without a host wait."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
