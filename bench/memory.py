@@ -1,7 +1,8 @@
 """Where the idle GPU memory goes: weights, per-slot state, each family of CUDA graphs.
 
 Builds the engine as the server does (`--max-batch` slots, the server's warm-up kv span) and
-measures PyTorch's tensors (`allocated`) and its allocator's total (`reserved`) after each part:
+measures PyTorch's tensors (`allocated`) and its allocator's total (`reserved`, blocks the eager
+warm-up runs freed included until the last row empties the cache) after each part:
 the loaded model, the scheduler's buffers, then the vocoder, decode-step and prefill graphs captured
 one family at a time into the scheduler's one pool (what a replay's intermediates use, reserved for
 as long as the graphs live). Each row also has the device's own count.
@@ -35,7 +36,6 @@ def main() -> None:
 
     def row(part: str) -> None:
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()           # what stays is held by live tensors or graph pools
         alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         free, total = torch.cuda.mem_get_info()
         emit(dict(peer="qwen3-tts-server", kind="memory_part", part=part, max_batch=args.max_batch,
@@ -56,6 +56,8 @@ def main() -> None:
         row(f"decode-step graphs ({len(runner.graphs.graphs)})")
         runner.prefill_graphs.capture()
         row(f"prefill graphs ({len(runner.prefill_graphs.graphs)})")
+    torch.cuda.empty_cache()               # what stays is held by live tensors or the graphs' pool
+    row("all, cache emptied")
     pools: dict = {}                                # the allocator's segments by pool: sizes and use
     for seg in torch.cuda.memory_snapshot():
         p = pools.setdefault(str(seg.get("segment_pool_id")), {"segments": 0, "total": 0, "allocated": 0, "largest": []})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import kernels
 from .kernels import decode_attention, linear, qk_norm_rope, rms_norm
@@ -100,6 +101,12 @@ def causal_mask(start: torch.Tensor, t: int, kmax: int) -> torch.Tensor:
     return (keys[None, None, :] <= query_pos[:, :, None])[:, None]                 # [B, 1, t, kmax]
 
 
+# Every SDPA back end but cuDNN's for the talker's prefill: cuDNN builds a plan for each new shape
+# (~40 ms, up to 1 s on an H200), and the eager prefill of a group of admissions meets a new
+# (rows, length) almost every time; the other back ends cost the same per call after the first.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attend(q, k, v, mask):
     """softmax(q k^T / sqrt(d)) v under a boolean mask; q [B,H,T,D], k/v [B,H,K,D], mask [B,1,T,K].
 
@@ -110,7 +117,8 @@ def attend(q, k, v, mask):
         scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         return probs.to(v.dtype) @ v
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with sdpa_kernel(SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class Attention(nn.Module):

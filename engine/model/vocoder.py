@@ -26,9 +26,11 @@ UNUSED_KEYS = ("quantizer.rvq_first.input_proj.", "quantizer.rvq_rest.input_proj
 
 
 def _prepend_context(op: nn.Module, x: torch.Tensor, context: dict) -> torch.Tensor:
-    """[op's left context, x] along time; stores the last op.context_len samples as the next context."""
+    """[op's left context, x] along time; stores a copy of the last op.context_len samples as the
+    next context. A copy, not a view: a view would keep the whole input alive until the window ends,
+    every conv's at once (10 GiB for an 8-frame window of 256 streams on an H200)."""
     x = torch.cat([context[op], x], dim=-1)
-    context[op] = x[..., x.shape[-1] - op.context_len:]
+    context[op] = x[..., x.shape[-1] - op.context_len:].clone()
     return x
 
 
