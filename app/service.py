@@ -7,6 +7,7 @@ the server ready. The WebSocket and REST code only call `voice`, `clone`, `submi
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import logging
 import tempfile
@@ -144,6 +145,11 @@ class Service:
             self.builtin_voice = await asyncio.to_thread(self.model.make_voice, wav, sr)
             if self.settings.warmup:
                 await self._warm_up()
+            # What loading made (~200k objects: modules, imports) lives as long as the server: out of
+            # the collector's sight, a full collection stops holding the GIL for ~90 ms (engine and
+            # event loop both), and then only walks what sessions make.
+            gc.collect()
+            gc.freeze()
             self.status = "draining" if self.draining.is_set() else "ok"    # SIGTERM while loading
             log.info("ready: %s on %s (%s), max_batch %d", self.model_name, self.model.device, self.model.dtype,
                      self.scheduler.max_batch)

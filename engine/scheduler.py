@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 FREE, PREFILL, DECODE = 0, 1, 2     # what a slot is doing
 STEP_TIME_SMOOTHING = 0.3           # weight of the newest step in the step-time average (vocoder windows)
 SPARE_PAGES = 16                    # free KV pages kept for the next admissions beyond half the pages in use
+SLOW_ITERATION_S = 0.25             # an iteration this long is logged with where its time went
 
 
 class Overloaded(RuntimeError):
@@ -427,20 +428,30 @@ class Scheduler:
 
     def _iterate(self) -> None:
         t0 = time.perf_counter()
+        waiting = len(self._waiting)
         if self._defer_admissions > 0:
             self._defer_admissions -= 1
             if not (self._phase != FREE).any():
                 time.sleep(0.01)    # nothing else to do while admissions wait out an out-of-memory error
         else:
             self._admit()
+        prefilling = int((self._phase == PREFILL).sum())
+        t1 = time.perf_counter()
         self._prefill()
+        t2 = time.perf_counter()
         ended = self._step()
+        t3 = time.perf_counter()
         self._vocode(ended or [])
         for s in ended or []:
             self._close(s, s.reason)
         self._trim_cache()
+        dt = time.perf_counter() - t0
+        if dt > SLOW_ITERATION_S:     # every session waits this long for its next frame: say where it went
+            log.warning("slow engine iteration: %.0f ms (admission %.0f, prefill %.0f, step %.0f, vocoder %.0f ms;"
+                        " %d admitted, %d prefilling, %d decoding)", dt * 1000, (t1 - t0) * 1000, (t2 - t1) * 1000,
+                        (t3 - t2) * 1000, (t0 + dt - t3) * 1000, waiting - len(self._waiting), prefilling,
+                        int((self._phase == DECODE).sum()))
         if ended is not None:
-            dt = time.perf_counter() - t0
             self._step_s += STEP_TIME_SMOOTHING * (dt - self._step_s)
             with self._lock:
                 self._last_step_ms = dt * 1000

@@ -7,6 +7,7 @@ in a draining session is refused (`shutting_down`); a session still busy at --dr
 `fatal.shutting_down` and 1001; then the process exits 0.
 """
 import asyncio
+import gc
 import json
 import signal
 import sys
@@ -15,6 +16,7 @@ import time
 
 import httpx
 import pytest
+import torch
 import websockets
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -38,6 +40,18 @@ def test_graphs_are_captured_before_the_engine_thread_starts(tiny_model_dir, tmp
     with ServerThread(settings) as srv:
         assert srv.service.scheduler._thread is not None
     assert calls and all(not_started for not_started, _ in calls), calls
+
+
+def test_what_loading_made_is_frozen_out_of_the_collector(tiny_model_dir, tmp_path):
+    """Once ready, the model's objects are in the collector's permanent generation (gc.freeze), so a
+    full collection under load does not walk them while holding the GIL."""
+    settings = Settings(model_dir=str(tiny_model_dir), device="cpu", max_batch=2, voices_dir=str(tmp_path))
+    with ServerThread(settings) as srv:
+        talker = srv.service.model.talker
+        assert gc.get_freeze_count() > 0
+        assert not any(o is talker for o in gc.get_objects())
+        fresh = torch.nn.Linear(2, 2)       # what comes later is collected as usual
+        assert any(o is fresh for o in gc.get_objects())
 
 
 async def session(url):

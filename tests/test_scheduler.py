@@ -345,3 +345,24 @@ def test_async_iteration_and_limits(model, voices):
         idle.submit(SpeechRequest("text", voices["ref_en"], "klingon"))
     with pytest.raises(ValueError):
         idle.submit(SpeechRequest("", voices["ref_en"]))
+
+
+def test_a_slow_iteration_is_logged_with_its_phases(model, voices, caplog, monkeypatch):
+    """An iteration longer than SLOW_ITERATION_S (here a vocoder window made slow) is logged with the
+    time of each phase, and the turn still completes."""
+    import engine.scheduler as scheduler_module
+    monkeypatch.setattr(scheduler_module, "SLOW_ITERATION_S", 0.15)
+    with Scheduler(model, 2) as sch:
+        vocode = sch._vocode
+
+        def slow_vocode(ended):
+            if sch.stats().steps == 3:
+                time.sleep(0.3)
+            vocode(ended)
+        sch._vocode = slow_vocode
+        with caplog.at_level("WARNING", logger="engine.scheduler"):
+            chunks, result = sch.submit(request(voices, "xvec_en", max_frames=8)).collect(60)
+    assert result.reason == "max_frames" and result.frames == 8
+    slow = [r.getMessage() for r in caplog.records if "slow engine iteration" in r.getMessage()]
+    this = [m for m in slow if float(m.split("vocoder ")[1].split(" ms")[0]) >= 290]
+    assert len(this) == 1 and "1 decoding" in this[0], slow

@@ -332,7 +332,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
     r2 = None if r2 is None else r2.contiguous()
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     launch = lambda c: skinny_linear(x2, weight, y, c, norm_weight, eps, gated, r2)   # noqa: E731
-    key = ("linear", n, k, x.dtype, rows <= GEMV_ROWS, norm_weight is not None, gated, r2 is not None)
+    # the CUDA-core variants are timed for each row count they serve (1 and 2 rows want different
+    # configs); the tensor-core one pads to 16 rows, so one timing serves all its row counts
+    key = ("linear", n, k, x.dtype, rows if rows <= GEMV_ROWS else SKINNY_ROWS, norm_weight is not None, gated,
+           r2 is not None)
     launch(_fastest(key, linear_configs(rows), launch))
     return y.view(*x.shape[:-1], n)
 
@@ -616,5 +619,7 @@ def sample_rows(logits: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor,
         _sample_rows_kernel[(b,)](logits, noise, out, greedy, temperature, top_k, v, logits.stride(0),
                                   noise.stride(0), BLOCK=triton.next_power_of_2(v), RADIX_BITS=c["RADIX_BITS"],
                                   num_warps=c["num_warps"])
-    launch(_fastest(("sample_rows", v), SAMPLE_CONFIGS, launch))
+    # timed per power-of-two class of rows: one row is latency-bound, 256 fill the GPU (the graphs'
+    # batch buckets meet every class at warm-up, before any eager call can)
+    launch(_fastest(("sample_rows", v, b.bit_length()), SAMPLE_CONFIGS, launch))
     return out
