@@ -51,6 +51,7 @@ from .host import to_device
 from .prompt import PromptBuilder, resolve_language
 from .requests import AudioChunk, SpeechRequest, TurnResult
 from .kv_cache import CacheFull
+from .model import kernels
 from .runner import EOS, RUNNING, ModelRunner
 from .sampling import SamplingTensors
 from .streaming import StreamingVocoder, WindowPolicy, release_cached_memory
@@ -428,7 +429,7 @@ class Scheduler:
 
     def _iterate(self) -> None:
         t0 = time.perf_counter()
-        waiting = len(self._waiting)
+        waiting, compiles = len(self._waiting), kernels.compiles
         if self._defer_admissions > 0:
             self._defer_admissions -= 1
             if not (self._phase != FREE).any():
@@ -448,9 +449,10 @@ class Scheduler:
         dt = time.perf_counter() - t0
         if dt > SLOW_ITERATION_S:     # every session waits this long for its next frame: say where it went
             log.warning("slow engine iteration: %.0f ms (admission %.0f, prefill %.0f, step %.0f, vocoder %.0f ms;"
-                        " %d admitted, %d prefilling, %d decoding)", dt * 1000, (t1 - t0) * 1000, (t2 - t1) * 1000,
-                        (t3 - t2) * 1000, (t0 + dt - t3) * 1000, waiting - len(self._waiting), prefilling,
-                        int((self._phase == DECODE).sum()))
+                        " %d admitted, %d prefilling, %d decoding; %d Triton kernels compiled)", dt * 1000,
+                        (t1 - t0) * 1000, (t2 - t1) * 1000, (t3 - t2) * 1000, (t0 + dt - t3) * 1000,
+                        waiting - len(self._waiting), prefilling, int((self._phase == DECODE).sum()),
+                        kernels.compiles - compiles)
         if ended is not None:
             self._step_s += STEP_TIME_SMOOTHING * (dt - self._step_s)
             with self._lock:

@@ -163,3 +163,14 @@ def test_head_sizes_the_attention_kernel_takes(kernels):
     with pytest.raises(ValueError, match="unsupported"):
         kernels.decode_attention(torch.zeros(1, 1, 48), 1, 1, torch.ones(16), torch.ones(16), 1e-6,
                                  torch.ones(8), cache, 0, torch.zeros(1, dtype=torch.long))
+
+
+def test_triton_compiles_are_counted(kernels):
+    """Each kernel variant Triton builds goes through its post-compile hook, which counts it (and
+    still calls a hook installed before ours)."""
+    import triton
+    hook = triton.knobs.runtime.jit_post_compile_hook
+    assert hook is not None
+    before = kernels.compiles
+    hook(key=None, repr="k", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
+    assert kernels.compiles == before + 1

@@ -32,6 +32,27 @@ try:
 except ImportError:      # CPU-only installs
     triton = None
 
+compiles = 0             # Triton kernel variants this process compiled (or loaded from the disk cache)
+
+
+def _count_compiles() -> None:
+    """Count each kernel variant Triton builds on first use: a variant first met while serving stalls
+    the engine for as long as its compile takes (the scheduler logs the count with a slow iteration)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        return
+    chained = knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs):
+        global compiles
+        compiles += 1
+        return chained(**kwargs) if chained is not None else None
+    knobs.runtime.jit_post_compile_hook = hook
+
+
+if triton is not None:
+    _count_compiles()
+
 
 def snake_beta_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
