@@ -47,7 +47,7 @@ if has first_audio; then
   echo "first_audio rc=$? at $((SECONDS-t0)) s"
   # a burst of BURST sessions at once (0: none): where the admission time goes at load
   if (( ${BURST:-256} > 0 )); then
-    for budget in ${BURST_BUDGETS:-1024}; do     # the scheduler's prefill budget (positions an iteration)
+    for budget in ${BURST_BUDGETS:-4096}; do     # the scheduler's prefill budget (positions an iteration)
       timeout 180 python3 -m bench.first_audio --model-dir "$MODEL" --sessions ${BURST:-256} --reps 2 \
         --prefill-budget $budget ${BURST_PROFILE:+--profile} --out "$R" >> "$OUTD/first_audio.log" 2>&1
       echo "first_audio burst (prefill budget $budget) rc=$? at $((SECONDS-t0)) s"
