@@ -112,7 +112,7 @@ async def run_session(index: int, args, rng: random.Random, results: list) -> No
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     width = BYTES_PER_SAMPLE[args.encoding]
     try:
-        async with websockets.connect(ws_url(args.url), additional_headers=headers, max_size=None,
+        async with websockets.connect(ws_url(args.url), additional_headers=headers, max_size=None, compression=None,
                                       open_timeout=args.timeout) as ws:
             json.loads(await ws.recv())                     # session.created
             update = {"type": "session.update", "format": {"encoding": args.encoding, "sample_rate": args.sample_rate}}

@@ -73,6 +73,17 @@ def test_session_created_and_ping(server):
     run(go())
 
 
+def test_no_per_message_compression_even_when_the_client_offers_it(server):
+    """websockets clients offer permessage-deflate by default; the server declines (audio does not
+    compress, and deflating it would load the event loop)."""
+    async def go():
+        ws = await websockets.connect(server.ws_url, compression="deflate")
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        assert "permessage-deflate" not in (ws.response.headers.get("Sec-WebSocket-Extensions") or "")
+        await ws.close()
+    run(go())
+
+
 def test_conversation_turns_in_order_text_in_pieces(server):
     text = "Hello world, how are you today?"
     whole = run(speak_alone(server, text, **greedy()))
