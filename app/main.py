@@ -38,6 +38,7 @@ log = logging.getLogger("qwen3_tts.server")
 
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 STEP_SAMPLE_S = 0.02
+SLOW_LOOP_S = 0.25        # an event-loop stall this long is logged
 
 # Settings field -> (flag, environment variable, parser, help). The flag wins over the environment.
 OPTIONS = {
@@ -91,10 +92,17 @@ def parse_settings(argv: Optional[list[str]] = None, environ: Optional[dict] = N
 
 
 async def _sample_steps(svc: Service) -> None:
-    """Feed the per-step metrics from the scheduler's counters (the engine thread keeps them)."""
+    """Feed the per-step metrics from the scheduler's counters (the engine thread keeps them), and
+    the event loop's lag: how late this loop's own wake-ups are (every session's sends wait as long)."""
     seen_steps = seen_frames = 0
+    loop = asyncio.get_running_loop()
     while True:
+        t = loop.time()
         await asyncio.sleep(STEP_SAMPLE_S)
+        lag = loop.time() - t - STEP_SAMPLE_S
+        svc.metrics.loop_lag.observe(max(lag, 0.0))
+        if lag > SLOW_LOOP_S:
+            log.warning("event loop stalled for %.0f ms", lag * 1000)
         if svc.scheduler is None:
             continue
         st = svc.scheduler.stats()

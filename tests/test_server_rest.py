@@ -4,6 +4,7 @@ import asyncio
 import base64
 import io
 import json
+import time
 
 import httpx
 import numpy as np
@@ -230,7 +231,7 @@ def test_metrics_parse_and_move(server):
     for name in ("qwen3_tts_requests_total", "qwen3_tts_active_sessions", "qwen3_tts_queue_depth",
                  "qwen3_tts_batch_size_bucket", "qwen3_tts_step_seconds_bucket", "qwen3_tts_ttfa_seconds_bucket",
                  "qwen3_tts_rtf_bucket", "qwen3_tts_audio_seconds_total", "qwen3_tts_underruns_total",
-                 "qwen3_tts_gpu_memory_bytes", "qwen3_tts_decode_steps_total"):
+                 "qwen3_tts_gpu_memory_bytes", "qwen3_tts_decode_steps_total", "qwen3_tts_event_loop_lag_seconds_bucket"):
         assert name in names, name
 
     def delta(name, **labels):
@@ -243,6 +244,26 @@ def test_metrics_parse_and_move(server):
     assert delta("qwen3_tts_ttfa_seconds_count") == 1
     assert delta("qwen3_tts_decode_steps_total") >= FRAMES
     assert delta("qwen3_tts_batch_size_count") >= 1
+    assert delta("qwen3_tts_event_loop_lag_seconds_count") >= 1
+
+
+def test_a_stalled_event_loop_is_measured_and_logged(server, caplog):
+    """Something blocking the server's event loop for 0.4 s (here a sleep run on it) shows in the
+    lag histogram's top buckets and in a warning."""
+    def le(values, bound):
+        return values.get(("qwen3_tts_event_loop_lag_seconds_bucket", (("le", bound),)), 0)
+    before = metric_values(httpx.get(server.url + "/metrics").text)
+
+    async def block():
+        time.sleep(0.4)
+    with caplog.at_level("WARNING"):
+        asyncio.run_coroutine_threadsafe(block(), server.service.loop).result(10)
+        time.sleep(0.1)                      # the sampler wakes after the stall
+        after = metric_values(httpx.get(server.url + "/metrics").text)
+    stalled = after[("qwen3_tts_event_loop_lag_seconds_count", ())] - before[("qwen3_tts_event_loop_lag_seconds_count", ())]
+    under_quarter = le(after, "0.25") - le(before, "0.25")
+    assert stalled - under_quarter >= 1
+    assert any("event loop stalled" in r.getMessage() for r in caplog.records)
 
 
 def test_operations_routes(server):
