@@ -4,6 +4,7 @@
 #   bash bench/ttfa_device.sh MODEL_DIR RESULTS_JSONL
 set -u
 MODEL=$1; R=$2; PORT=${PORT:-8090}
+# SLOW_ITERATION_MS (server default 250): log every engine iteration longer than this, with its phases
 python3 -m app --model-dir "$MODEL" --port $PORT --max-batch ${MAX_BATCH:-256} > "${OUT:-/tmp}/server.log" 2>&1 &
 SERVER=$!
 for i in $(seq 1 240); do
@@ -17,6 +18,10 @@ for spec in ${TTFA_RUNS:-"1:0" "64:32" "256:64"}; do
   n=${spec%%:*}; rate=${spec##*:}
   python3 bench/ttfa.py --url "http://127.0.0.1:$PORT" --sessions $n --rate $rate --text-chars 160 \
     --max-frames 125 --fixed-length --timeout 300 --json "${OUT:-/tmp}/ttfa_$n.json" | tail -8
+  # the server's histograms so far (iteration time, batch size, event-loop lag, TTFA), cumulative
+  python3 -c "import urllib.request; print(urllib.request.urlopen(\"http://127.0.0.1:$PORT/metrics\").read().decode())" \
+    | grep -E "^qwen3_tts_(step_seconds|batch_size|event_loop_lag|ttfa_seconds|underruns)" > "${OUT:-/tmp}/metrics_after_$n.txt"
 done
 kill -TERM $SERVER; wait $SERVER 2>/dev/null
 grep -iE "warm|graph|error" "${OUT:-/tmp}/server.log" | head -20
+grep -c "slow engine iteration" "${OUT:-/tmp}/server.log"

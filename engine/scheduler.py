@@ -61,7 +61,6 @@ log = logging.getLogger(__name__)
 FREE, PREFILL, DECODE = 0, 1, 2     # what a slot is doing
 STEP_TIME_SMOOTHING = 0.3           # weight of the newest step in the step-time average (vocoder windows)
 SPARE_PAGES = 16                    # free KV pages kept for the next admissions beyond half the pages in use
-SLOW_ITERATION_S = 0.25             # an iteration this long is logged with where its time went
 
 
 class Overloaded(RuntimeError):
@@ -217,7 +216,7 @@ class Scheduler:
                  kv_page_size: int = 64, max_queue: int = 1024,
                  prefill_chunk: int = 256, prefill_budget: int = 4096, frames_per_token: float = 6.0,
                  frame_margin: int = 32, keep_codes: bool = False, oom_retries: int = 2,
-                 oom_defer_iterations: int = 4, cuda_graphs: bool = True):
+                 oom_defer_iterations: int = 4, cuda_graphs: bool = True, slow_iteration_s: float = 0.25):
         """model: `engine.loader.TTSModel`. max_batch: slots (sessions decoding at once).
 
         window_frames: vocoder frames for a session's first audio chunk, then for each later one.
@@ -232,6 +231,7 @@ class Scheduler:
         frames_per_token, frame_margin: the frame estimate of a turn, to size the cache at admission.
         keep_codes: put each turn's codes [frames, 16] in its TurnResult (tests, CLI).
         cuda_graphs: on a CUDA device, replay the decode step from CUDA graphs (`engine.graphs`).
+        slow_iteration_s: an engine iteration this long is logged with where its time went.
         """
         cfg = model.config
         self.model = model
@@ -242,6 +242,7 @@ class Scheduler:
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.frames_per_token, self.frame_margin = frames_per_token, frame_margin
         self.keep_codes = keep_codes
+        self.slow_iteration_s = slow_iteration_s
         self.oom_retries, self.oom_defer_iterations = oom_retries, oom_defer_iterations
         self.device = model.device
         self.prompts: PromptBuilder = model.prompts
@@ -448,7 +449,7 @@ class Scheduler:
             self._close(s, s.reason)
         self._trim_cache()
         dt = time.perf_counter() - t0
-        if dt > SLOW_ITERATION_S:     # every session waits this long for its next frame: say where it went
+        if dt > self.slow_iteration_s:     # every session waits this long for its next frame: say where it went
             log.warning("slow engine iteration: %.0f ms (admission %.0f, prefill %.0f, step %.0f, vocoder %.0f ms;"
                         " %d admitted, %d prefilling, %d decoding; %d Triton kernels compiled)", dt * 1000,
                         (t1 - t0) * 1000, (t2 - t1) * 1000, (t3 - t2) * 1000, (t0 + dt - t3) * 1000,

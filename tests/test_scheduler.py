@@ -347,12 +347,10 @@ def test_async_iteration_and_limits(model, voices):
         idle.submit(SpeechRequest("", voices["ref_en"]))
 
 
-def test_a_slow_iteration_is_logged_with_its_phases(model, voices, caplog, monkeypatch):
-    """An iteration longer than SLOW_ITERATION_S (here a vocoder window made slow) is logged with the
+def test_a_slow_iteration_is_logged_with_its_phases(model, voices, caplog):
+    """An iteration longer than `slow_iteration_s` (here a vocoder window made slow) is logged with the
     time of each phase, and the turn still completes."""
-    import engine.scheduler as scheduler_module
-    monkeypatch.setattr(scheduler_module, "SLOW_ITERATION_S", 0.15)
-    with Scheduler(model, 2) as sch:
+    with Scheduler(model, 2, slow_iteration_s=0.15) as sch:
         vocode = sch._vocode
 
         def slow_vocode(ended):
