@@ -300,22 +300,29 @@ class InstantTTS:
 
 
 class RecordingSocket:
-    def __init__(self):
+    """Records what the bridge sends and when; `first_send_s` makes the first send slow to go out,
+    as on a loaded machine, which must not let the later frames run ahead of real time."""
+
+    def __init__(self, first_send_s: float = 0.0):
         self.sent: list[tuple[float, dict]] = []
         self.got_mark = asyncio.Event()
+        self.first_send_s = first_send_s
 
     async def send_text(self, text: str) -> None:
+        if not self.sent:
+            await asyncio.sleep(self.first_send_s)
         msg = json.loads(text)
         self.sent.append((time.monotonic(), msg))
         if msg["event"] == "mark":
             self.got_mark.set()
 
 
-def test_instant_audio_is_reframed_exactly_and_paced_at_real_time():
+@pytest.mark.parametrize("first_send_s", [0.0, 0.015])
+def test_instant_audio_is_reframed_exactly_and_paced_at_real_time(first_send_s):
     audio = (bytes(range(256)) * 31)[:49 * 160 + 40]         # 49 whole frames and 40 bytes
 
     async def scenario():
-        ws = RecordingSocket()
+        ws = RecordingSocket(first_send_s)
         call = TwilioCall(ws, {"streamSid": "MZ1", "callSid": "CA1"}, InstantTTS(audio, piece=333), LEAD_S)
         try:
             assert await call.say("hello") == "turn-1"

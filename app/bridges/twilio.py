@@ -185,16 +185,15 @@ class TwilioCall:
                     self.stats.marks_sent.append(item.turn_id)
                     self.unfinished.remove(item.turn_id)
                 continue
-            now = loop.time()
-            if self._clock is None or self._clock < now:
-                self._clock = now
-            if self._clock - now > self.lead_s:
-                await asyncio.sleep(self._clock - now - self.lead_s)
+            if self._clock is not None and self._clock - loop.time() > self.lead_s:
+                await asyncio.sleep(self._clock - loop.time() - self.lead_s)
             payload = base64.b64encode(item.payload).decode("ascii")
             if await self._send({"event": "media", "streamSid": self.stream_sid, "media": {"payload": payload}},
                                 item.turn_id):
                 self.stats.media_sent += 1
-                self._clock += FRAME_MS / 1000
+                # The frame starts playing once it is out: a clock that fell behind (the first frame, or
+                # after an underrun) restarts at the moment of sending, not at the moment before it.
+                self._clock = max(self._clock or 0.0, loop.time()) + FRAME_MS / 1000
 
     async def _send(self, msg: dict, turn_id: Optional[str] = None) -> bool:
         """Sends a JSON text frame unless it belongs to a turn cleared meanwhile."""
