@@ -62,6 +62,8 @@ OPTIONS = {
     "max_queue": ("--max-queue", "MAX_QUEUE", int, "most requests waiting for a batch slot (then 503)"),
     "drain_timeout": ("--drain-timeout", "DRAIN_TIMEOUT", float,
                       "on SIGTERM, seconds turns in progress may take to finish before sessions are closed (1001)"),
+    "vocoder_batch": ("--vocoder-batch", "VOCODER_BATCH", int,
+                      "most streams one vocoder CUDA graph decodes (more: several replays; less memory held)"),
     "slow_iteration_ms": ("--slow-iteration-ms", "SLOW_ITERATION_MS", float,
                           "log each engine iteration that takes longer, with where its time went"),
 }

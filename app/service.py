@@ -65,6 +65,7 @@ class Settings:
     max_sessions: int = 1024
     max_queue: int = 1024
     drain_timeout: float = 30.0                 # on SIGTERM, seconds open turns may take to finish
+    vocoder_batch: int = 64                     # streams a vocoder graph replay decodes (memory grows with it)
     slow_iteration_ms: float = 250.0            # an engine iteration this long is logged with its phases
     warmup: bool = True
 
@@ -169,7 +170,7 @@ class Service:
         model = load_model(model_dir, device, dtype)
         max_batch, max_cache_bytes = size_engine(model, s.max_batch)
         scheduler = Scheduler(model, max_batch, max_cache_bytes=max_cache_bytes, max_queue=s.max_queue,
-                              slow_iteration_s=s.slow_iteration_ms / 1000)
+                              vocoder_batch=s.vocoder_batch, slow_iteration_s=s.slow_iteration_ms / 1000)
         if s.warmup:     # CUDA graphs are captured before the engine thread exists: nothing runs beside a capture
             t0 = time.monotonic()
             n = scheduler.warmup(WARMUP_KV_KEYS)

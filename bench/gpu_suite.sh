@@ -34,9 +34,12 @@ if has checks; then
   timeout 200 python3 -m bench.gpu_checks --model-dir "$MODEL" --out "$R" > "$OUTD/checks.log" 2>&1
   echo "checks rc=$? at $((SECONDS-t0)) s"
 fi
+# VOCODER_BATCHES: the scheduler's vocoder_batch values to measure (most streams a vocoder replay decodes)
 if has memory; then
-  timeout 200 python3 -m bench.memory --model-dir "$MODEL" --out "$R" > "$OUTD/memory.log" 2>&1
-  echo "memory rc=$? at $((SECONDS-t0)) s"
+  for vb in ${VOCODER_BATCHES:-64}; do
+    timeout 200 python3 -m bench.memory --model-dir "$MODEL" --vocoder-batch $vb --out "$R" >> "$OUTD/memory.log" 2>&1
+    echo "memory (vocoder batch $vb) rc=$? at $((SECONDS-t0)) s"
+  done
 fi
 if has breakdown; then
   timeout 240 python3 -m bench.breakdown --model-dir "$MODEL" --batches ${BATCHES_BREAKDOWN:-1,64,256} --out "$R" > "$OUTD/breakdown.log" 2>&1
@@ -55,8 +58,11 @@ if has first_audio; then
   fi
 fi
 if has throughput; then
-  timeout 300 python3 -m bench.throughput --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --out "$R" > "$OUTD/throughput.log" 2>&1
-  echo "throughput rc=$? at $((SECONDS-t0)) s"
+  for vb in ${VOCODER_BATCHES:-64}; do
+    timeout 300 python3 -m bench.throughput --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} \
+      --vocoder-batch $vb --out "$R" >> "$OUTD/throughput.log" 2>&1
+    echo "throughput (vocoder batch $vb) rc=$? at $((SECONDS-t0)) s"
+  done
 fi
 if has ttfa; then
   timeout 300 bash bench/ttfa_device.sh "$MODEL" "$R" > "$OUTD/ttfa.log" 2>&1

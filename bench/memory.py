@@ -7,7 +7,7 @@ the loaded model, the scheduler's buffers, then the vocoder, decode-step and pre
 one family at a time into the scheduler's one pool (what a replay's intermediates use, reserved for
 as long as the graphs live). Each row also has the device's own count.
 
-    python -m bench.memory --model-dir /tmp/rand06b --max-batch 256
+    python -m bench.memory --model-dir /tmp/rand06b --max-batch 256 --vocoder-batch 64
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--max-batch", type=int, default=256)
+    ap.add_argument("--vocoder-batch", type=int, default=64, help="most streams one vocoder graph replay decodes")
     ap.add_argument("--out", default=None, help="append JSON rows to this file")
     args = ap.parse_args()
 
@@ -39,6 +40,7 @@ def main() -> None:
         alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         free, total = torch.cuda.mem_get_info()
         emit(dict(peer="qwen3-tts-server", kind="memory_part", part=part, max_batch=args.max_batch,
+                  vocoder_batch=args.vocoder_batch,
                   alloc_gib=gib(alloc), reserved_gib=gib(reserved),
                   alloc_added_gib=gib(alloc - last["alloc"]), reserved_added_gib=gib(reserved - last["reserved"]),
                   device_used_gib=gib(total - free)), args.out)
@@ -46,7 +48,7 @@ def main() -> None:
 
     model = load_model(args.model_dir, device="cuda", dtype=torch.bfloat16)
     row("model")
-    scheduler = Scheduler(model, max_batch=args.max_batch)
+    scheduler = Scheduler(model, max_batch=args.max_batch, vocoder_batch=args.vocoder_batch)
     row("scheduler buffers")
     runner, vocoder = scheduler.runner, scheduler.vocoder      # in `Scheduler.warmup`'s order
     with torch.no_grad():

@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=125, help="frames per turn (125 = 10 s)")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--window", default="2,8", help="vocoder frames: first window, later windows")
+    ap.add_argument("--vocoder-batch", type=int, default=64, help="most streams one vocoder graph replay decodes")
     ap.add_argument("--out", default=None, help="append JSON rows to this file")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -91,14 +92,15 @@ def main() -> None:
     ref = np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1
     voice = model.make_voice(ref, 24000)
     cuda = torch.device(args.device).type == "cuda"
-    scheduler = Scheduler(model, max_batch=max(batches), window_frames=tuple(int(w) for w in args.window.split(",")))
+    scheduler = Scheduler(model, max_batch=max(batches), window_frames=tuple(int(w) for w in args.window.split(",")),
+                          vocoder_batch=args.vocoder_batch)
     t = time.perf_counter()
     graphs = scheduler.warmup(max_live=args.frames + 128)
     print(f"warm-up: {graphs} CUDA graphs in {time.perf_counter() - t:.1f} s", flush=True)
     scheduler.start()
 
     def emit_row(row: dict) -> None:
-        emit({"peer": "qwen3-tts-server", "tag": args.tag, **row}, args.out)
+        emit({"peer": "qwen3-tts-server", "tag": args.tag, "vocoder_batch": args.vocoder_batch, **row}, args.out)
 
     def emit_memory(when: str) -> None:
         """GPU memory with no session running: PyTorch's tensors, its allocator's total, the talker

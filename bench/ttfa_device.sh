@@ -13,6 +13,8 @@ for i in $(seq 1 240); do
   sleep 1
 done
 echo "ready after ${i} s"
+gpu_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null; }
+echo "GPU memory used, idle server after warm-up: $(gpu_used)"
 python3 -c "import urllib.request; print(urllib.request.urlopen(\"http://127.0.0.1:$PORT/health\").read().decode())"
 for spec in ${TTFA_RUNS:-"1:0" "64:32" "256:64"}; do
   n=${spec%%:*}; rate=${spec##*:}
@@ -22,6 +24,7 @@ for spec in ${TTFA_RUNS:-"1:0" "64:32" "256:64"}; do
   python3 -c "import urllib.request; print(urllib.request.urlopen(\"http://127.0.0.1:$PORT/metrics\").read().decode())" \
     | grep -E "^qwen3_tts_(step_seconds|batch_size|event_loop_lag|ttfa_seconds|underruns)" > "${OUT:-/tmp}/metrics_after_$n.txt"
 done
+sleep 2; echo "GPU memory used, idle server after the runs: $(gpu_used)"
 kill -TERM $SERVER; wait $SERVER 2>/dev/null
 grep -iE "warm|graph|error" "${OUT:-/tmp}/server.log" | head -20
 grep -c "slow engine iteration" "${OUT:-/tmp}/server.log"

@@ -121,10 +121,12 @@ class PrefillGraphs:
     right-padded to its bucket: the padding's K/V land after the prompt, in the row's pages (which
     the decode steps overwrite) or the cache's scratch page, where no real query looks (causal). Up
     to `max_rows` prompts admitted together replay it one after the other; more rows, and chunks
-    that continue a long prompt, run eagerly.
+    that continue a long prompt, run eagerly. (An H200 server at 64 arrivals a second admitted 5-7
+    sessions at once often; their eager prefill took 40-51 ms of an 80 ms frame, with 4 rows the most
+    replayed. Each replay is ~20x shorter than one eager forward, so 16 replays still beat it.)
     """
 
-    def __init__(self, runner, buckets=(16, 32, 64, 128, 256), max_rows: int = 4, pool=None):
+    def __init__(self, runner, buckets=(16, 32, 64, 128, 256), max_rows: int = 16, pool=None):
         self.runner = runner
         self.max_rows = max_rows
         self.buckets = [b for b in sorted(buckets) if b <= runner.capacity]
@@ -189,13 +191,19 @@ class VocoderGraphs:
     convolution algorithms cuDNN found fastest by timing them at capture (`cudnn_autotuned`): up to
     21% off the vocoder at 256 streams on an H200 (bench/README.md); timing every size took the
     server's warm-up to 95 s.
+    A replay decodes at most `max_batch` streams; more are decoded as replays of that many. A graph's
+    intermediates stay reserved in the pool for as long as it lives, and the vocoder's grow with the
+    batch (an H200, bf16, 8-frame windows: 12.5 GiB for 256 streams, 2.6 GiB for 64, which took 10%
+    longer for 256 streams as four replays).
     """
 
-    def __init__(self, streams, windows, batch_buckets=None, pool=None):
+    def __init__(self, streams, windows, batch_buckets=None, pool=None, max_batch: int | None = None):
         self.streams = streams
         n = streams.max_streams
+        self.max_batch = min(n, max_batch or n)
         self.windows = sorted({1, *windows})
-        self.batch_buckets = sorted({b for b in (batch_buckets or DEFAULT_BATCH_BUCKETS) if b < n} | {n})
+        top = self.max_batch
+        self.batch_buckets = sorted({b for b in (batch_buckets or DEFAULT_BATCH_BUCKETS) if b < top} | {top})
         device = streams.frames.device
         self.slots = torch.full((n,), streams.pad_slot, dtype=torch.long, device=device)
         self.codes = torch.zeros(n, max(self.windows), 16, dtype=torch.long, device=device)
@@ -204,6 +212,10 @@ class VocoderGraphs:
 
     def decode(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         b, w = codes.shape[:2]
+        if b > self.max_batch:
+            step = self.max_batch
+            return torch.cat([self.decode(slots[i:i + step], codes[i:i + step]).clone()   # `out` is reused
+                              for i in range(0, b, step)])
         if w not in self.windows:
             pieces, t = [], 0
             while t < w:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,17 @@ def _place(module: nn.Module, device, dtype) -> nn.Module:
     return module.to(device).eval().requires_grad_(False)
 
 
+def _grow_segments_in_place() -> None:
+    """PyTorch's CUDA allocator in expandable-segments mode, unless the environment sets allocator
+    options itself: segments grow in place instead of being cut from fixed-size blocks, and the CUDA
+    graphs' pool holds about half as much (an H200, the vocoder's graphs for 256 streams: 5.96
+    against 12.51 GiB), replays as fast."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+        return
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:True")
+
+
 def load_model(model_dir_or_hub_id: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, patched_regex: bool = False,
                codec_dtype: torch.dtype | None = None) -> TTSModel:
@@ -142,6 +154,8 @@ def load_model(model_dir_or_hub_id: str | Path, device: str | torch.device = "cp
     ignore = tuple("decoder." + k for k in VOCODER_UNUSED) + tuple("encoder." + k for k in encoder.unused_checkpoint_prefixes)
     warn_unused(codec, used, str(codec_path), ignore_prefixes=ignore)
     del main, codec
+    if device.type == "cuda":
+        _grow_segments_in_place()
     talker = _place(talker, device, dtype)
     if device.type == "cuda":        # fewer, fatter kernels for the decode step (same weights)
         talker.model.fuse()

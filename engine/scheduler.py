@@ -216,7 +216,8 @@ class Scheduler:
                  kv_page_size: int = 64, max_queue: int = 1024,
                  prefill_chunk: int = 256, prefill_budget: int = 4096, frames_per_token: float = 6.0,
                  frame_margin: int = 32, keep_codes: bool = False, oom_retries: int = 2,
-                 oom_defer_iterations: int = 4, cuda_graphs: bool = True, slow_iteration_s: float = 0.25):
+                 oom_defer_iterations: int = 4, cuda_graphs: bool = True, vocoder_batch: int = 64,
+                 slow_iteration_s: float = 0.25):
         """model: `engine.loader.TTSModel`. max_batch: slots (sessions decoding at once).
 
         window_frames: vocoder frames for a session's first audio chunk, then for each later one.
@@ -231,8 +232,11 @@ class Scheduler:
         frames_per_token, frame_margin: the frame estimate of a turn, to size the cache at admission.
         keep_codes: put each turn's codes [frames, 16] in its TurnResult (tests, CLI).
         cuda_graphs: on a CUDA device, replay the decode step from CUDA graphs (`engine.graphs`).
+        vocoder_batch: most streams one vocoder graph replay decodes (its memory grows with it).
         slow_iteration_s: an engine iteration this long is logged with where its time went.
         """
+        if vocoder_batch < 1:
+            raise ValueError(f"vocoder_batch must be >= 1, got {vocoder_batch}")
         cfg = model.config
         self.model = model
         self.max_batch = max_batch
@@ -257,7 +261,7 @@ class Scheduler:
                                         cfg.samples_per_frame / cfg.sample_rate, cfg.talker.num_code_groups,
                                         self._out_of_memory)
         if pool is not None:
-            self.vocoder.use_cuda_graphs(pool)
+            self.vocoder.use_cuda_graphs(pool, vocoder_batch)
         self.samples_per_frame = cfg.samples_per_frame
         self._pad_id, self._eos_id = cfg.tts_pad_token_id, cfg.tts_eos_token_id
 

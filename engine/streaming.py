@@ -80,11 +80,11 @@ class StreamingVocoder:
         self.started = np.zeros(max_streams)                   # time.monotonic() of the first audio
         self.graphs = None                                       # engine.graphs.VocoderGraphs once enabled
 
-    def use_cuda_graphs(self, pool=None) -> None:
+    def use_cuda_graphs(self, pool=None, max_batch: int | None = None) -> None:
         """Replay the window decodes of the policy's window sizes from CUDA graphs (from the memory
-        pool `pool`, default a new one)."""
+        pool `pool`, default a new one), at most `max_batch` streams a replay (default: all)."""
         from .graphs import VocoderGraphs
-        self.graphs = VocoderGraphs(self.streams, self.policy.sizes(), pool=pool)
+        self.graphs = VocoderGraphs(self.streams, self.policy.sizes(), pool=pool, max_batch=max_batch)
 
     def start(self, slots: list[int], ref_codes: list[torch.Tensor | None]) -> None:
         """Fresh streams for new sessions; ICL ones are primed by decoding their reference codes."""
