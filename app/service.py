@@ -22,7 +22,7 @@ import torch
 from engine.audio_io import TARGET_RATE, AudioError, load_reference
 from engine.loader import load_model
 from engine.requests import SamplingParams, SpeechRequest, VoicePrompt
-from engine.scheduler import Overloaded, RequestHandle, Scheduler
+from engine.scheduler import VOCODER_BATCH, Overloaded, RequestHandle, Scheduler
 from engine.testing.random_model import build as build_random_model
 
 from .errors import ApiError
@@ -65,7 +65,7 @@ class Settings:
     max_sessions: int = 1024
     max_queue: int = 1024
     drain_timeout: float = 30.0                 # on SIGTERM, seconds open turns may take to finish
-    vocoder_batch: int = 64                     # streams a vocoder graph replay decodes (memory grows with it)
+    vocoder_batch: int = VOCODER_BATCH          # streams a vocoder graph replay decodes (memory grows with it)
     slow_iteration_ms: float = 250.0            # an engine iteration this long is logged with its phases
     warmup: bool = True
 

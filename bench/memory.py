@@ -17,7 +17,7 @@ import torch
 
 from app.service import WARMUP_KV_KEYS
 from engine.loader import load_model
-from engine.scheduler import Scheduler
+from engine.scheduler import VOCODER_BATCH, Scheduler
 from bench.results import emit
 
 
@@ -29,7 +29,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--max-batch", type=int, default=256)
-    ap.add_argument("--vocoder-batch", type=int, default=64, help="most streams one vocoder graph replay decodes")
+    ap.add_argument("--vocoder-batch", type=int, default=VOCODER_BATCH,
+                    help="most streams one vocoder graph replay decodes")
     ap.add_argument("--out", default=None, help="append JSON rows to this file")
     args = ap.parse_args()
 

@@ -22,7 +22,7 @@ import torch
 
 from engine.loader import load_model
 from engine.requests import SamplingParams, SpeechRequest
-from engine.scheduler import Scheduler
+from engine.scheduler import VOCODER_BATCH, Scheduler
 from bench.results import emit
 
 FRAME_S = 0.08
@@ -81,7 +81,8 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=125, help="frames per turn (125 = 10 s)")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--window", default="2,8", help="vocoder frames: first window, later windows")
-    ap.add_argument("--vocoder-batch", type=int, default=64, help="most streams one vocoder graph replay decodes")
+    ap.add_argument("--vocoder-batch", type=int, default=VOCODER_BATCH,
+                    help="most streams one vocoder graph replay decodes")
     ap.add_argument("--out", default=None, help="append JSON rows to this file")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()

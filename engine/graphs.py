@@ -200,13 +200,12 @@ class VocoderGraphs:
     def __init__(self, streams, windows, batch_buckets=None, pool=None, max_batch: int | None = None):
         self.streams = streams
         n = streams.max_streams
-        self.max_batch = min(n, max_batch or n)
+        top = self.max_batch = min(n, max_batch or n)
         self.windows = sorted({1, *windows})
-        top = self.max_batch
         self.batch_buckets = sorted({b for b in (batch_buckets or DEFAULT_BATCH_BUCKETS) if b < top} | {top})
         device = streams.frames.device
-        self.slots = torch.full((n,), streams.pad_slot, dtype=torch.long, device=device)
-        self.codes = torch.zeros(n, max(self.windows), 16, dtype=torch.long, device=device)
+        self.slots = torch.full((top,), streams.pad_slot, dtype=torch.long, device=device)   # a replay's inputs
+        self.codes = torch.zeros(top, max(self.windows), 16, dtype=torch.long, device=device)
         self.pool = pool or torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
