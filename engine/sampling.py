@@ -203,14 +203,21 @@ def sample(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor
            top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: int,
            top_p_any: bool = True, noise: torch.Tensor | None = None) -> torch.Tensor:
     """ids [B]: argmax of logits where greedy, else a seeded draw from softmax(warp(logits)).
-    `noise`: this codebook's gumbel_noise(seed, frame, codebook) when already computed."""
+    `noise`: this codebook's gumbel_noise(seed, frame, codebook) when already computed (the fused
+    kernel hashes its own)."""
+    if fused_sampling(logits.device, top_p_any):          # the same, in one kernel
+        return kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook)
     if noise is None:
         noise = gumbel_noise(seed, frame, codebook, logits.shape[-1])
-    if logits.is_cuda and not top_p_any and kernels.triton is not None:     # the same, in one kernel
-        return kernels.sample_rows(logits, noise, greedy, temperature, top_k)
     warped = warp(logits, temperature, top_k, top_p, top_p_any)
     drawn = (warped.double() + noise).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
+
+
+def fused_sampling(device: torch.device, top_p_any: bool) -> bool:
+    """Whether `sample` runs as one Triton kernel that hashes its own noise (CUDA, no top-p row):
+    then a caller need not compute the noise ahead."""
+    return torch.device(device).type == "cuda" and not top_p_any and kernels.triton is not None
 
 
 def sample_talker(processor: TalkerLogitsProcessor, logits: torch.Tensor, seen: torch.Tensor,
@@ -225,7 +232,8 @@ def sample_subtalker(logits: torch.Tensor, group: int, frame: torch.Tensor, p: S
                      noise: torch.Tensor | None = None) -> torch.Tensor:
     """Codebook `group` (1..15) ids [B] from fp32 code-predictor logits (MODEL.md 6.3: no penalty,
     no suppression). `frame` [B] is the row's index of the frame being completed. `noise`
-    [B, 15, V]: `subtalker_noise(...)` for the frame (one hash pass instead of 15), or None."""
+    [B, 15, V]: `subtalker_noise(...)` for the frame (one hash pass instead of 15), or None (always
+    when `fused_sampling`)."""
     return sample(logits, p.sub_greedy, p.sub_temperature, p.sub_top_k, p.sub_top_p, p.seed, frame, group,
                   p.sub_top_p_any, None if noise is None else noise[:, group - 1])
 

@@ -65,9 +65,9 @@ def main() -> None:
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
     for block in (2048, 4096):
         for config in k.SAMPLE_CONFIGS:
-            build(k._sample_rows_kernel, dict(logits_ptr="*fp32", noise_ptr="*fp64", out_ptr="*i64",
-                                              greedy_ptr="*i1", temperature_ptr="*fp32", top_k_ptr="*i64", V="i32",
-                                              stride_logits="i32", stride_noise="i32"),
+            build(k._sample_rows_kernel, dict(logits_ptr="*fp32", out_ptr="*i64", greedy_ptr="*i1",
+                                              temperature_ptr="*fp32", top_k_ptr="*i64", seed_ptr="*i64",
+                                              frame_ptr="*i64", codebook="i32", V="i32", stride_logits="i32"),
                   dict(BLOCK=block, RADIX_BITS=config["RADIX_BITS"]), num_warps=config["num_warps"])
 
 

@@ -120,15 +120,27 @@ def test_sample_rows_matches_plain_sampling(kernels, monkeypatch, radix_bits):
     temperature = torch.tensor([1.0, 0.5, 2.0, 0.9, 1.3])
     top_k = torch.tensor([50, 0, 1, 50, 5000])
     seed, frame, no_top_p = torch.arange(b) + 100, torch.arange(b), torch.ones(b, dtype=torch.float64)
-    for v, codebook in ((3072, 0), (2048, 5)):
-        if codebook == 0:
-            noise = gumbel_noise(seed, frame, 0, v)
-        else:                                             # a strided view of a frame's noise, as the runner passes
-            noise = gumbel_noise(seed, frame, torch.arange(1, 16), v)[:, codebook - 1]
+    seed[0] = (1 << 63) - 1                               # the hash's full 64-bit range
+    for v, codebook in ((3072, 0), (2048, 5), (2048, 15)):
+        noise = gumbel_noise(seed, frame, codebook, v)
         expected = sample(logits[:, :v], greedy, temperature, top_k, no_top_p, seed, frame, codebook,
                           top_p_any=False, noise=noise)
-        got = kernels.sample_rows(logits[:, :v], noise, greedy, temperature, top_k)
+        got = kernels.sample_rows(logits[:, :v], greedy, temperature, top_k, seed, frame, codebook)
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_sample_rows_noise_is_the_plain_hash_bit_for_bit(kernels):
+    """The kernel's in-kernel Gumbel noise equals `gumbel_noise` exactly: with all-zero logits and no
+    top-k a row's pick is the argmax of its noise alone, over many seeds, frames and codebooks."""
+    from engine.sampling import gumbel_noise
+    b, v = 64, 2048
+    seed = torch.randint(0, 1 << 62, (b,), generator=torch.Generator().manual_seed(3)) * 2 + 1
+    frame = torch.arange(b) * 37
+    logits = torch.zeros(b, v)
+    ones, no_greedy, no_top_k = torch.ones(b), torch.zeros(b, dtype=torch.bool), torch.zeros(b, dtype=torch.long)
+    for codebook in (0, 1, 15):
+        got = kernels.sample_rows(logits, no_greedy, ones, no_top_k, seed, frame, codebook)
+        torch.testing.assert_close(got, gumbel_noise(seed, frame, codebook, v).argmax(-1), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 16, 17])

@@ -16,7 +16,7 @@
   cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own and the residual add in
   addmm (which first copies the residual: 10 kernels a layer).
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
-  plain ops, 16 times a frame; `sample_rows` is one.
+  plain ops, 16 times a frame, plus ~20 for the seeded noise; `sample_rows` is one, noise included.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
 The tests run the Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
@@ -403,25 +403,9 @@ if triton is not None:
         k_cache = anchor_ptr + k_offset + kvh * D
         v_cache = anchor_ptr + v_offset + kvh * D
 
-        # The T new keys (normed, rotated) and values go to the cache first (positions past the
-        # capacity land in the scratch page), then every key is read back from it.
-        kw1 = tl.load(k_w_ptr + i).to(tl.float32)
-        kw2 = tl.load(k_w_ptr + HALF + i).to(tl.float32)
-        d = tl.arange(0, D)
-        for t in tl.static_range(T):
-            src = qkv + t * stride_qkv_t + (HQ + kvh) * D
-            k1 = tl.load(src + i).to(tl.float32)
-            k2 = tl.load(src + HALF + i).to(tl.float32)
-            inv = tl.rsqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + eps)
-            r1, r2 = _rope(k1 * inv * kw1, k2 * inv * kw2, (start + t).to(tl.float32), inv_freq, dtype)
-            pos = tl.minimum(start + t, capacity)
-            dst = tl.multiple_of(tl.load(pages + pos // PAGE) + (pos % PAGE) * (HKV * D), 16)
-            tl.store(k_cache + dst + i, r1.to(dtype))
-            tl.store(k_cache + dst + HALF + i, r2.to(dtype))
-            tl.store(v_cache + dst + d, tl.load(qkv + t * stride_qkv_t + (HQ + HKV + kvh) * D + d))
-        tl.debug_barrier()
-
-        # Queries: the G heads of this KV head at each of the T positions, one row each (padded to M).
+        # Every load that needs no other goes out first (queries, the new keys and values, the first
+        # page's offset), so their latencies overlap: at a handful of rows the kernel is a chain of
+        # memory round trips, not arithmetic.
         r = tl.arange(0, M)
         valid = r < T * G
         t_r = r // G
@@ -429,11 +413,33 @@ if triton is not None:
         q_src = qkv + t_r[:, None] * stride_qkv_t + head[:, None] * D + i[None, :]
         q1 = tl.load(q_src, mask=valid[:, None], other=0.0).to(tl.float32)
         q2 = tl.load(q_src + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+        first_page = tl.multiple_of(tl.load(pages), 16)
+        kw1 = tl.load(k_w_ptr + i).to(tl.float32)
+        kw2 = tl.load(k_w_ptr + HALF + i).to(tl.float32)
+        d = tl.arange(0, D)
+
+        # The T new keys (normed, rotated) and values go to the cache (positions past the capacity
+        # land in the scratch page), to be read back with the others below.
+        for t in tl.static_range(T):
+            src = qkv + t * stride_qkv_t + (HQ + kvh) * D
+            k1 = tl.load(src + i).to(tl.float32)
+            k2 = tl.load(src + HALF + i).to(tl.float32)
+            v_new = tl.load(qkv + t * stride_qkv_t + (HQ + HKV + kvh) * D + d)
+            inv = tl.rsqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + eps)
+            r1, r2 = _rope(k1 * inv * kw1, k2 * inv * kw2, (start + t).to(tl.float32), inv_freq, dtype)
+            pos = tl.minimum(start + t, capacity)
+            dst = tl.multiple_of(tl.load(pages + pos // PAGE) + (pos % PAGE) * (HKV * D), 16)
+            tl.store(k_cache + dst + i, r1.to(dtype))
+            tl.store(k_cache + dst + HALF + i, r2.to(dtype))
+            tl.store(v_cache + dst + d, v_new)
+
+        # Queries: the G heads of this KV head at each of the T positions, one row each (padded to M).
         inv = tl.rsqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / D + eps)
         q1 = q1 * inv[:, None] * tl.load(q_w_ptr + i).to(tl.float32)[None, :]
         q2 = q2 * inv[:, None] * tl.load(q_w_ptr + HALF + i).to(tl.float32)[None, :]
         q1, q2 = _rope(q1, q2, (start + t_r).to(tl.float32)[:, None], inv_freq[None, :], dtype)
         q1, q2 = q1.to(dtype), q2.to(dtype)
+        tl.debug_barrier()      # the new keys and values are in the cache for every thread
 
         # Online-softmax attention over keys 0 .. start+t (row t), fp32 scores and accumulator.
         last = start + t_r
@@ -447,11 +453,16 @@ if triton is not None:
             # A block lies in one page (BLOCK_K divides PAGE): one offset load, then the rows as in a
             # contiguous cache. Offsets are multiples of 16 elements (pages are 512-byte aligned):
             # said so, the key and value rows load as wide vectors.
-            page = tl.multiple_of(tl.load(pages + k0 // PAGE), 16)
+            if k0 < PAGE:
+                page = first_page
+            else:
+                page = tl.load(pages + k0 // PAGE)
+            page = tl.multiple_of(page, 16)
             at = (k0 % PAGE + tl.arange(0, BLOCK_K)) * (HKV * D)
             kp = k_cache + page + at[:, None]
             keys1 = tl.load(kp + i[None, :], mask=in_range[:, None], other=0.0)
             keys2 = tl.load(kp + HALF + i[None, :], mask=in_range[:, None], other=0.0)
+            v = tl.load(v_cache + page + at[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
             if IEEE:
                 s = (tl.dot(q1, tl.trans(keys1), input_precision="ieee")
                      + tl.dot(q2, tl.trans(keys2), input_precision="ieee"))
@@ -462,7 +473,6 @@ if triton is not None:
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache + page + at[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v, input_precision="ieee")
             else:
@@ -607,8 +617,25 @@ if triton is not None:
         return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _sample_rows_kernel(logits_ptr, noise_ptr, out_ptr, greedy_ptr, temperature_ptr, top_k_ptr,
-                            V, stride_logits, stride_noise, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+    def _mix64(z):
+        """splitmix64's finalizer on uint64 (shifts are logical, products wrap): `sampling.mix64`."""
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        return z ^ (z >> 31)
+
+    @triton.jit
+    def _gumbel_noise(seed, frame, codebook, tokens):
+        """`sampling.gumbel_noise` of one row's tokens, bit for bit: the counter-based hash of
+        (seed, frame, codebook, token), then -log(-log(u)) in float64."""
+        key = _mix64(seed.to(tl.uint64, bitcast=True))
+        counter = ((frame * 32 + codebook) << 12) + tokens.to(tl.int64)
+        bits = _mix64(key + counter.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15)
+        u = ((bits >> 12).to(tl.float64) + 0.5) * 2.220446049250313e-16       # 2^-52
+        return -tl.log(-tl.log(u))
+
+    @triton.jit
+    def _sample_rows_kernel(logits_ptr, out_ptr, greedy_ptr, temperature_ptr, top_k_ptr, seed_ptr, frame_ptr,
+                            codebook, V, stride_logits, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < V
@@ -620,7 +647,7 @@ if triton is not None:
             k = tl.load(top_k_ptr + row)
             k = tl.where(k > 0, tl.minimum(k, V), V).to(tl.int32)
             warped = tl.where(warped < _kth_largest(warped, k, RADIX_BITS), float("-inf"), warped)
-            noise = tl.load(noise_ptr + row * stride_noise + cols, mask=mask, other=0.0)
+            noise = _gumbel_noise(tl.load(seed_ptr + row), tl.load(frame_ptr + row), codebook, cols)
             pick = tl.argmax(warped.to(tl.float64) + noise, 0)
         tl.store(out_ptr + row, pick.to(tl.int64))
 
@@ -628,17 +655,18 @@ if triton is not None:
 SAMPLE_CONFIGS = [dict(num_warps=w, RADIX_BITS=r) for r in (2, 4) for w in (4, 8, 16, 2)]  # `sample_rows` times these
 
 
-def sample_rows(logits: torch.Tensor, noise: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor,
-                top_k: torch.Tensor) -> torch.Tensor:
-    """`engine.sampling.sample` without top-p in one kernel: ids [B] of fp32 logits [B, V], given the
-    rows' float64 Gumbel noise [B, V] (a view with unit stride along V is fine)."""
+def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                seed: torch.Tensor, frame: torch.Tensor, codebook: int) -> torch.Tensor:
+    """`engine.sampling.sample` without top-p in one kernel: ids [B] of fp32 logits [B, V]. The Gumbel
+    noise of (seed, frame, codebook) is hashed in the kernel (a [B, V] float64 tensor per codebook
+    written and read back, as ~20 elementwise kernels, cost ~10% of a 256-row decode step)."""
     b, v = logits.shape
     logits = logits.contiguous()
     out = torch.empty(b, dtype=torch.long, device=logits.device)
 
     def launch(c):
-        _sample_rows_kernel[(b,)](logits, noise, out, greedy, temperature, top_k, v, logits.stride(0),
-                                  noise.stride(0), BLOCK=triton.next_power_of_2(v), RADIX_BITS=c["RADIX_BITS"],
+        _sample_rows_kernel[(b,)](logits, out, greedy, temperature, top_k, seed, frame, codebook, v,
+                                  logits.stride(0), BLOCK=triton.next_power_of_2(v), RADIX_BITS=c["RADIX_BITS"],
                                   num_warps=c["num_warps"])
     # timed per power-of-two class of rows: one row is latency-bound, 256 fill the GPU (the graphs'
     # batch buckets meet every class at warm-up, before any eager call can)
