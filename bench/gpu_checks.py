@@ -5,7 +5,8 @@
 - vocoder windows of sizes that have no graph (decoded as a run of captured sizes) against one eager
   streaming decode of the same frames;
 - a scheduler turn with every graph on against the same turn with none (greedy codes, audio);
-- a greedy turn before and after the KV cache's pages were handed back and taken again elsewhere.
+- a greedy turn before and after the KV cache's pages were handed back and taken again elsewhere;
+- the sampling kernel (Gumbel noise hashed in the kernel) against the plain ops' draws.
 Each check prints a RESULT row with its errors and `ok`; the exit status is 1 if any is not ok.
 
     python -m bench.gpu_checks --model-dir /tmp/rand06b
@@ -120,6 +121,30 @@ def kv_pages_come_and_go(model) -> dict:
                 kv_cache_mib=[peak >> 20, held >> 20], freed_mib=freed >> 20, ok=equal and freed > 0)
 
 
+def fused_sampling_vs_plain(model) -> dict:
+    """`kernels.sample_rows` draws the same ids as the plain ops (noise from `gumbel_noise`) for 256
+    sampled rows of every codebook of a frame: the in-kernel hash and float64 logs are bit for bit."""
+    from engine.model import kernels
+    from engine.sampling import gumbel_noise, sample
+    dev, b = model.device, 256
+    g = torch.Generator(device=dev).manual_seed(2)
+    seed = torch.randint(0, 1 << 62, (b,), device=dev, generator=g)
+    frame = torch.randint(0, 4000, (b,), device=dev, generator=g)
+    greedy, top_p = torch.zeros(b, dtype=torch.bool, device=dev), torch.ones(b, dtype=torch.float64, device=dev)
+    temperature = torch.full((b,), 0.9, device=dev)
+    top_k = torch.full((b,), 50, dtype=torch.long, device=dev)
+    same = total = 0
+    for codebook, v in ((0, 3072), *((c, 2048) for c in range(1, 16))):
+        logits = torch.randn(b, v, device=dev, generator=g) * 2
+        # top_p_any with every top_p at 1: the plain ops' path (its top-p leaves such rows alone)
+        plain = sample(logits, greedy, temperature, top_k, top_p, seed, frame, codebook, top_p_any=True,
+                       noise=gumbel_noise(seed, frame, codebook, v))
+        fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook)
+        same += int((plain == fused).sum())
+        total += b
+    return dict(check="fused_sampling_vs_plain", same_ids=same / total, ok=same == total)
+
+
 @torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -129,7 +154,8 @@ def main() -> int:
     args = ap.parse_args()
     model = load_model(args.model_dir, device="cuda", dtype=getattr(torch, args.dtype))
     ok = True
-    for check in (prefill_graph_vs_eager, vocoder_runs_vs_eager, scheduler_graphs_vs_eager, kv_pages_come_and_go):
+    for check in (prefill_graph_vs_eager, vocoder_runs_vs_eager, scheduler_graphs_vs_eager, kv_pages_come_and_go,
+                  fused_sampling_vs_plain):
         row = {"peer": "qwen3-tts-server", "kind": "gpu_check", "dtype": args.dtype, **check(model)}
         ok &= row["ok"]
         emit(row, args.out)

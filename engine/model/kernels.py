@@ -267,16 +267,23 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps,
+    def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, part_ptr, count_ptr, M, N, K, eps,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
+                              SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
                               GATED: tl.constexpr, RESIDUAL: tl.constexpr):
         """One BLOCK_N-wide column block of y [M, N] for all (<= BLOCK_M) rows, streaming its weight
         rows once. NORM: x is RMS-normed first (each program reads x's rows, a few KB, for the
         statistics). GATED: w is [gate; up] (2N rows) and y = silu(x gate.T) * (x up.T). RESIDUAL:
-        y += r. Every intermediate is rounded to the activation dtype where the separate ops round."""
+        y += r. Every intermediate is rounded to the activation dtype where the separate ops round.
+
+        SPLIT > 1 (split-K): program (n, s) streams the s-th of SPLIT slices of K and stores its fp32
+        partial sums in `part_ptr` [SPLIT, BLOCK_M, N (2N if GATED)]; the last of a column block's
+        programs to count itself in `count_ptr` [column blocks] (left at 0 for the next launch) adds
+        the partials in slice order and applies the epilogue. At a handful of rows a GEMM is a chain
+        of memory round trips: SPLIT times as many programs keep more of the weights in flight."""
         dtype = y_ptr.dtype.element_ty
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # output features (weight rows)
+        pid_n = tl.program_id(0)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # output features (weight rows)
         rows = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + rows[:, None] * K
@@ -291,7 +298,9 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if GATED:
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_slice = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+        k_lo = tl.program_id(1) * k_slice
+        for k0 in range(k_lo, tl.minimum(k_lo + k_slice, K), BLOCK_K):
             k = k0 + kk
             x = tl.load(x_rows + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
             if NORM:
@@ -301,10 +310,32 @@ if triton is not None:
             acc = _mac(acc, x, tl.load(w_rows + k[None, :], mask=w_mask, other=0.0), DOT, IEEE)
             if GATED:
                 acc_up = _mac(acc_up, x, tl.load(w_rows + N * K + k[None, :], mask=w_mask, other=0.0), DOT, IEEE)
+        if SPLIT > 1:
+            width = 2 * N if GATED else N
+            part = part_ptr + rows[:, None] * width + cols[None, :]
+            tile = BLOCK_M * width
+            in_n = cols[None, :] < N
+            tl.store(part + tl.program_id(1) * tile, acc, mask=in_n)
+            if GATED:
+                tl.store(part + tl.program_id(1) * tile + N, acc_up, mask=in_n)
+            tl.debug_barrier()                  # every thread's partials are out before the count
+            last = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1
+            n_live = tl.where(last, N, 0)       # the other programs load and store nothing more
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            if GATED:
+                acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for j in tl.static_range(SPLIT):    # in slice order: the sum does not depend on timing
+                live = cols[None, :] < n_live
+                acc += tl.load(part + j * tile, mask=live, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_up += tl.load(part + j * tile + N, mask=live, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + pid_n, 0, mask=last)
+        else:
+            n_live = N
         y = acc.to(dtype)
         if GATED:
             y = _silu_mul(y, acc_up.to(dtype), dtype)
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        mask = (rows[:, None] < M) & (cols[None, :] < n_live)
         if RESIDUAL:
             r = tl.load(r_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
@@ -367,11 +398,37 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, conf
     """out [M, N] = `linear`(x [M, K], weight) with one launch config of `linear_configs(M)`."""
     (m, k), n = x.shape, out.shape[1]
     dot = config["kernel"] == "dot"
-    _skinny_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
-        x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
-        m, n, k, eps, BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+    block_m, split = 16 if dot else GEMV_ROWS, config.get("SPLIT", 1)
+    blocks = triton.cdiv(n, config["BLOCK_N"])
+    part, count = x, x
+    if split > 1:
+        part, count = _split_k_buffers(x.device, split * block_m * n * (2 if gated else 1), blocks)
+    _skinny_linear_kernel[(blocks, split)](
+        x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight, part, count,
+        m, n, k, eps, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], SPLIT=split,
         DOT=dot, IEEE=x.dtype == torch.float32, NORM=norm_weight is not None, GATED=gated,
         RESIDUAL=residual is not None, num_warps=config["num_warps"], num_stages=config["num_stages"])
+
+
+_split_k: dict = {}
+_split_k_retired: list = []
+
+
+def _split_k_buffers(device: torch.device, partials: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split-K GEMMs' fp32 partial sums and per-column-block counters (kept at 0 between launches),
+    one pair per device, shared by every launch: launches on a device run one after the other (one
+    engine thread, one stream). Grown outside CUDA-graph capture only: a launch config is timed
+    eagerly (`_fastest`) before any capture needs it."""
+    part, count = _split_k.get(device, (None, None))
+    if part is None or part.numel() < partials or count.numel() < blocks:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K buffers must be sized before a CUDA graph captures the GEMM")
+        if part is not None:                    # graphs captured with them may still replay
+            _split_k_retired.append((part, count))
+        part = torch.empty(max(partials, 0 if part is None else part.numel()), dtype=torch.float32, device=device)
+        count = torch.zeros(max(blocks, 0 if count is None else count.numel()), dtype=torch.int32, device=device)
+        _split_k[device] = part, count
+    return part, count
 
 
 if triton is not None:
