@@ -50,16 +50,12 @@ def main() -> None:
         # every config `linear` may time and pick, with each epilogue the decode layers use (bf16);
         # the first config of each in fp32 (the CPU tests' dtype)
         for norm, gated, residual in ((True, False, False), (True, True, False), (False, False, True)):
-            split_k = [dict(kernel="dot", BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=3, SPLIT=4),
-                       dict(kernel="gemv", BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=3, SPLIT=2)]
-            for c in k.linear_configs(1)[:None if dtype == "bf16" else 1] + (split_k if dtype == "bf16" else []):
+            for c in k.linear_configs(1)[:None if dtype == "bf16" else 1]:
                 dot = c["kernel"] == "dot"
                 build(k._skinny_linear_kernel,
-                      dict(x_ptr=p, w_ptr=p, y_ptr=p, r_ptr=p, norm_w_ptr=p, part_ptr="*fp32", count_ptr="*i32",
-                           M="i32", N="i32", K="i32", eps="fp32"),
-                      dict(BLOCK_M=16 if dot else k.GEMV_ROWS, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-                           SPLIT=c.get("SPLIT", 1), DOT=dot, IEEE=dtype == "fp32", NORM=norm, GATED=gated,
-                           RESIDUAL=residual),
+                      dict(x_ptr=p, w_ptr=p, y_ptr=p, r_ptr=p, norm_w_ptr=p, M="i32", N="i32", K="i32", eps="fp32"),
+                      dict(BLOCK_M=16 if dot else k.GEMV_ROWS, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], DOT=dot,
+                           IEEE=dtype == "fp32", NORM=norm, GATED=gated, RESIDUAL=residual),
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
         for bias in (False, True):
             build(k._snake_beta_kernel, dict(x_ptr=p, y_ptr=p, a_ptr=p, b_ptr=p, bias_ptr=p, C="i32", T="i32"),

@@ -168,29 +168,6 @@ def test_skinny_linear_matches_the_separate_ops(kernels, rows, epilogue):
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=str(config))
 
 
-@pytest.mark.parametrize("rows,kernel", [(1, "gemv"), (2, "gemv"), (3, "dot"), (16, "dot")])
-@pytest.mark.parametrize("epilogue", ["norm", "norm+gate", "residual"])
-def test_split_k_linear_matches_the_separate_ops(kernels, rows, kernel, epilogue):
-    """Split-K launches (K cut into 2-4 slices, ragged last slice): the same result as the separate
-    ops, twice in a row (the last program of a column block leaves its counter at 0 for the next)."""
-    g = torch.Generator().manual_seed(8)
-    x, w, r = torch.randn(rows, 80, generator=g), torch.randn(200, 80, generator=g), torch.randn(rows, 100, generator=g)
-    nw = torch.rand(80, generator=g) + 0.5
-    norm, gated, residual = "norm" in epilogue, "gate" in epilogue, epilogue == "residual"
-    n = 100
-    w = w if gated else w[:n]
-    expected = F.linear(F.rms_norm(x, (80,), nw, 1e-6) if norm else x, w)
-    expected = kernels.silu_mul_reference(expected) if gated else expected + r if residual else expected
-    for split in (2, 4):
-        config = dict(kernel=kernel, BLOCK_N=16 if kernel == "dot" else 8, BLOCK_K=16, num_warps=4, num_stages=2,
-                      SPLIT=split)
-        for _ in range(2):
-            out = torch.full((rows, n), float("nan"))
-            kernels.skinny_linear(x, w, out, config, nw if norm else None, 1e-6, gated, r if residual else None)
-            torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=str(config))
-            assert not kernels._split_k[torch.device("cpu")][1].any()
-
-
 def test_head_sizes_the_attention_kernel_takes(kernels):
     """Other head sizes keep the plain ops (`DecoderStack.fuse` asks before choosing the kernel)."""
     assert [kernels.decode_attention_supports(d) for d in (16, 32, 48, 64, 128)] == [False, True, False, True, True]

@@ -267,23 +267,16 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, part_ptr, count_ptr, M, N, K, eps,
+    def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              SPLIT: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
+                              DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
                               GATED: tl.constexpr, RESIDUAL: tl.constexpr):
         """One BLOCK_N-wide column block of y [M, N] for all (<= BLOCK_M) rows, streaming its weight
         rows once. NORM: x is RMS-normed first (each program reads x's rows, a few KB, for the
         statistics). GATED: w is [gate; up] (2N rows) and y = silu(x gate.T) * (x up.T). RESIDUAL:
-        y += r. Every intermediate is rounded to the activation dtype where the separate ops round.
-
-        SPLIT > 1 (split-K): program (n, s) streams the s-th of SPLIT slices of K and stores its fp32
-        partial sums in `part_ptr` [SPLIT, BLOCK_M, N (2N if GATED)]; the last of a column block's
-        programs to count itself in `count_ptr` [column blocks] (left at 0 for the next launch) adds
-        the partials in slice order and applies the epilogue. At a handful of rows a GEMM is a chain
-        of memory round trips: SPLIT times as many programs keep more of the weights in flight."""
+        y += r. Every intermediate is rounded to the activation dtype where the separate ops round."""
         dtype = y_ptr.dtype.element_ty
-        pid_n = tl.program_id(0)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                 # output features (weight rows)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # output features (weight rows)
         rows = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + rows[:, None] * K
@@ -298,9 +291,7 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if GATED:
             acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        k_slice = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
-        k_lo = tl.program_id(1) * k_slice
-        for k0 in range(k_lo, tl.minimum(k_lo + k_slice, K), BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             k = k0 + kk
             x = tl.load(x_rows + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
             if NORM:
@@ -310,32 +301,10 @@ if triton is not None:
             acc = _mac(acc, x, tl.load(w_rows + k[None, :], mask=w_mask, other=0.0), DOT, IEEE)
             if GATED:
                 acc_up = _mac(acc_up, x, tl.load(w_rows + N * K + k[None, :], mask=w_mask, other=0.0), DOT, IEEE)
-        if SPLIT > 1:
-            width = 2 * N if GATED else N
-            part = part_ptr + rows[:, None] * width + cols[None, :]
-            tile = BLOCK_M * width
-            in_n = cols[None, :] < N
-            tl.store(part + tl.program_id(1) * tile, acc, mask=in_n)
-            if GATED:
-                tl.store(part + tl.program_id(1) * tile + N, acc_up, mask=in_n)
-            tl.debug_barrier()                  # every thread's partials are out before the count
-            last = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1
-            n_live = tl.where(last, N, 0)       # the other programs load and store nothing more
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            if GATED:
-                acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for j in tl.static_range(SPLIT):    # in slice order: the sum does not depend on timing
-                live = cols[None, :] < n_live
-                acc += tl.load(part + j * tile, mask=live, other=0.0, cache_modifier=".cg")
-                if GATED:
-                    acc_up += tl.load(part + j * tile + N, mask=live, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + pid_n, 0, mask=last)
-        else:
-            n_live = N
         y = acc.to(dtype)
         if GATED:
             y = _silu_mul(y, acc_up.to(dtype), dtype)
-        mask = (rows[:, None] < M) & (cols[None, :] < n_live)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
         if RESIDUAL:
             r = tl.load(r_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
@@ -398,37 +367,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, conf
     """out [M, N] = `linear`(x [M, K], weight) with one launch config of `linear_configs(M)`."""
     (m, k), n = x.shape, out.shape[1]
     dot = config["kernel"] == "dot"
-    block_m, split = 16 if dot else GEMV_ROWS, config.get("SPLIT", 1)
-    blocks = triton.cdiv(n, config["BLOCK_N"])
-    part, count = x, x
-    if split > 1:
-        part, count = _split_k_buffers(x.device, split * block_m * n * (2 if gated else 1), blocks)
-    _skinny_linear_kernel[(blocks, split)](
-        x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight, part, count,
-        m, n, k, eps, BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], SPLIT=split,
+    _skinny_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
+        x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
+        m, n, k, eps, BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         DOT=dot, IEEE=x.dtype == torch.float32, NORM=norm_weight is not None, GATED=gated,
         RESIDUAL=residual is not None, num_warps=config["num_warps"], num_stages=config["num_stages"])
-
-
-_split_k: dict = {}
-_split_k_retired: list = []
-
-
-def _split_k_buffers(device: torch.device, partials: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split-K GEMMs' fp32 partial sums and per-column-block counters (kept at 0 between launches),
-    one pair per device, shared by every launch: launches on a device run one after the other (one
-    engine thread, one stream). Grown outside CUDA-graph capture only: a launch config is timed
-    eagerly (`_fastest`) before any capture needs it."""
-    part, count = _split_k.get(device, (None, None))
-    if part is None or part.numel() < partials or count.numel() < blocks:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split-K buffers must be sized before a CUDA graph captures the GEMM")
-        if part is not None:                    # graphs captured with them may still replay
-            _split_k_retired.append((part, count))
-        part = torch.empty(max(partials, 0 if part is None else part.numel()), dtype=torch.float32, device=device)
-        count = torch.zeros(max(blocks, 0 if count is None else count.numel()), dtype=torch.int32, device=device)
-        _split_k[device] = part, count
-    return part, count
 
 
 if triton is not None:
@@ -460,9 +403,25 @@ if triton is not None:
         k_cache = anchor_ptr + k_offset + kvh * D
         v_cache = anchor_ptr + v_offset + kvh * D
 
-        # Every load that needs no other goes out first (queries, the new keys and values, the first
-        # page's offset), so their latencies overlap: at a handful of rows the kernel is a chain of
-        # memory round trips, not arithmetic.
+        # The T new keys (normed, rotated) and values go to the cache first (positions past the
+        # capacity land in the scratch page), then every key is read back from it.
+        kw1 = tl.load(k_w_ptr + i).to(tl.float32)
+        kw2 = tl.load(k_w_ptr + HALF + i).to(tl.float32)
+        d = tl.arange(0, D)
+        for t in tl.static_range(T):
+            src = qkv + t * stride_qkv_t + (HQ + kvh) * D
+            k1 = tl.load(src + i).to(tl.float32)
+            k2 = tl.load(src + HALF + i).to(tl.float32)
+            inv = tl.rsqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + eps)
+            r1, r2 = _rope(k1 * inv * kw1, k2 * inv * kw2, (start + t).to(tl.float32), inv_freq, dtype)
+            pos = tl.minimum(start + t, capacity)
+            dst = tl.multiple_of(tl.load(pages + pos // PAGE) + (pos % PAGE) * (HKV * D), 16)
+            tl.store(k_cache + dst + i, r1.to(dtype))
+            tl.store(k_cache + dst + HALF + i, r2.to(dtype))
+            tl.store(v_cache + dst + d, tl.load(qkv + t * stride_qkv_t + (HQ + HKV + kvh) * D + d))
+        tl.debug_barrier()
+
+        # Queries: the G heads of this KV head at each of the T positions, one row each (padded to M).
         r = tl.arange(0, M)
         valid = r < T * G
         t_r = r // G
@@ -470,33 +429,11 @@ if triton is not None:
         q_src = qkv + t_r[:, None] * stride_qkv_t + head[:, None] * D + i[None, :]
         q1 = tl.load(q_src, mask=valid[:, None], other=0.0).to(tl.float32)
         q2 = tl.load(q_src + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
-        first_page = tl.multiple_of(tl.load(pages), 16)
-        kw1 = tl.load(k_w_ptr + i).to(tl.float32)
-        kw2 = tl.load(k_w_ptr + HALF + i).to(tl.float32)
-        d = tl.arange(0, D)
-
-        # The T new keys (normed, rotated) and values go to the cache (positions past the capacity
-        # land in the scratch page), to be read back with the others below.
-        for t in tl.static_range(T):
-            src = qkv + t * stride_qkv_t + (HQ + kvh) * D
-            k1 = tl.load(src + i).to(tl.float32)
-            k2 = tl.load(src + HALF + i).to(tl.float32)
-            v_new = tl.load(qkv + t * stride_qkv_t + (HQ + HKV + kvh) * D + d)
-            inv = tl.rsqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + eps)
-            r1, r2 = _rope(k1 * inv * kw1, k2 * inv * kw2, (start + t).to(tl.float32), inv_freq, dtype)
-            pos = tl.minimum(start + t, capacity)
-            dst = tl.multiple_of(tl.load(pages + pos // PAGE) + (pos % PAGE) * (HKV * D), 16)
-            tl.store(k_cache + dst + i, r1.to(dtype))
-            tl.store(k_cache + dst + HALF + i, r2.to(dtype))
-            tl.store(v_cache + dst + d, v_new)
-
-        # Queries: the G heads of this KV head at each of the T positions, one row each (padded to M).
         inv = tl.rsqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / D + eps)
         q1 = q1 * inv[:, None] * tl.load(q_w_ptr + i).to(tl.float32)[None, :]
         q2 = q2 * inv[:, None] * tl.load(q_w_ptr + HALF + i).to(tl.float32)[None, :]
         q1, q2 = _rope(q1, q2, (start + t_r).to(tl.float32)[:, None], inv_freq[None, :], dtype)
         q1, q2 = q1.to(dtype), q2.to(dtype)
-        tl.debug_barrier()      # the new keys and values are in the cache for every thread
 
         # Online-softmax attention over keys 0 .. start+t (row t), fp32 scores and accumulator.
         last = start + t_r
@@ -510,16 +447,11 @@ if triton is not None:
             # A block lies in one page (BLOCK_K divides PAGE): one offset load, then the rows as in a
             # contiguous cache. Offsets are multiples of 16 elements (pages are 512-byte aligned):
             # said so, the key and value rows load as wide vectors.
-            if k0 < PAGE:
-                page = first_page
-            else:
-                page = tl.load(pages + k0 // PAGE)
-            page = tl.multiple_of(page, 16)
+            page = tl.multiple_of(tl.load(pages + k0 // PAGE), 16)
             at = (k0 % PAGE + tl.arange(0, BLOCK_K)) * (HKV * D)
             kp = k_cache + page + at[:, None]
             keys1 = tl.load(kp + i[None, :], mask=in_range[:, None], other=0.0)
             keys2 = tl.load(kp + HALF + i[None, :], mask=in_range[:, None], other=0.0)
-            v = tl.load(v_cache + page + at[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
             if IEEE:
                 s = (tl.dot(q1, tl.trans(keys1), input_precision="ieee")
                      + tl.dot(q2, tl.trans(keys2), input_precision="ieee"))
@@ -530,6 +462,7 @@ if triton is not None:
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache + page + at[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v, input_precision="ieee")
             else:
@@ -715,8 +648,8 @@ SAMPLE_CONFIGS = [dict(num_warps=w, RADIX_BITS=r) for r in (2, 4) for w in (4, 8
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 seed: torch.Tensor, frame: torch.Tensor, codebook: int) -> torch.Tensor:
     """`engine.sampling.sample` without top-p in one kernel: ids [B] of fp32 logits [B, V]. The Gumbel
-    noise of (seed, frame, codebook) is hashed in the kernel (a [B, V] float64 tensor per codebook
-    written and read back, as ~20 elementwise kernels, cost ~10% of a 256-row decode step)."""
+    noise of (seed, frame, codebook) is hashed in the kernel: as a [B, V] float64 tensor made by ~20
+    elementwise kernels a codebook, it cost 8-12% of a decode step on an H200 (bench/README.md)."""
     b, v = logits.shape
     logits = logits.contiguous()
     out = torch.empty(b, dtype=torch.long, device=logits.device)
