@@ -156,11 +156,7 @@ def load_model(model_dir_or_hub_id: str | Path, device: str | torch.device = "cp
     del main, codec
     if device.type == "cuda":
         _grow_segments_in_place()
-    text_table, talker.model.text_embedding = talker.model.text_embedding, None
     talker = _place(talker, device, dtype)
-    # A step looks up one text row a session: the 0.6 GiB table stays in host memory on a GPU
-    # (`Talker.embed_text` gathers there and moves the rows)
-    talker.model.text_embedding = _place(text_table, "cpu" if device.type == "cuda" else device, dtype)
     if device.type == "cuda":        # fewer, fatter kernels for the decode step (same weights)
         talker.model.fuse()
         talker.code_predictor.model.fuse()

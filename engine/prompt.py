@@ -62,24 +62,19 @@ class PromptBuilder:
         t = config.talker
         self.device = talker.codec_head.weight.device
         with torch.no_grad():
-            specials = self._text_ids([config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id])
+            specials = self._ids([config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id])
             self.tts_bos, self.tts_eos, self.tts_pad = talker.embed_text(specials[None])[0]   # each [D]
-            role = self._text_ids(tokenizer.encode(ROLE_PREFIX))                                    # ids[:3]
+            role = self._ids(tokenizer.encode(ROLE_PREFIX))                                    # ids[:3]
             self.role = talker.embed_text(role[None])[0]                                      # [3, D]
             self.codec_pad_bos = talker.embed_codec(self._ids([t.codec_pad_id, t.codec_bos_id]))  # [2, D]
 
     def _ids(self, ids) -> torch.Tensor:
         return to_device(ids, self.device, torch.long)
 
-    @staticmethod
-    def _text_ids(ids) -> torch.Tensor:
-        """Text ids stay on the host: `Talker.embed_text` gathers where its table is (the host, on a GPU)."""
-        return torch.as_tensor(ids, dtype=torch.long)
-
     def embed_text(self, ids) -> torch.Tensor:
         """E_t of target-text ids [n] -> [n, D] (for trailing rows fed as text arrives)."""
         with torch.no_grad():
-            return self.talker.embed_text(self._text_ids(ids)[None])[0]
+            return self.talker.embed_text(self._ids(ids)[None])[0]
 
     @staticmethod
     def tokens_needed(voice: VoicePrompt, non_streaming: bool = False) -> int | None:
@@ -119,13 +114,13 @@ class PromptBuilder:
                 body, trailing = self._icl(text_ids, voice, non_streaming, text_complete, eos, empty)
             elif non_streaming:
                 n = len(text_ids) + 1
-                text = torch.cat([self.talker.embed_text(self._text_ids(text_ids)[None])[0], self.tts_eos[None]])
+                text = torch.cat([self.talker.embed_text(self._ids(text_ids)[None])[0], self.tts_eos[None]])
                 pads = self.talker.embed_codec(self._ids([self.config.talker.codec_pad_id] * n))
                 body = torch.cat([text + pads, (self.tts_pad + self.codec_pad_bos[1])[None]])
                 trailing = empty
             else:
-                first = self.talker.embed_text(self._text_ids(text_ids[:1])[None])[0] + self.codec_pad_bos[1]
-                rest = self.talker.embed_text(self._text_ids(text_ids[1:])[None])[0] if len(text_ids) > 1 else empty
+                first = self.talker.embed_text(self._ids(text_ids[:1])[None])[0] + self.codec_pad_bos[1]
+                rest = self.talker.embed_text(self._ids(text_ids[1:])[None])[0] if len(text_ids) > 1 else empty
                 body, trailing = first, torch.cat([rest, eos])
         return Prompt(torch.cat([head, body]), trailing)
 
@@ -133,7 +128,7 @@ class PromptBuilder:
         codes = to_device(voice.ref_codes, self.device)
         codec = torch.cat([self.codec_pad_bos[1:], self.talker.embed_frame(codes)])      # Y [Lc, D]
         lc = codec.shape[0]
-        text = torch.cat([self.talker.embed_text(self._text_ids(list(voice.ref_text_ids) + list(text_ids))[None])[0], eos])
+        text = torch.cat([self.talker.embed_text(self._ids(list(voice.ref_text_ids) + list(text_ids))[None])[0], eos])
         if non_streaming:
             pads = self.talker.embed_codec(self._ids([self.config.talker.codec_pad_id] * text.shape[0]))
             return torch.cat([text + pads, codec + self.tts_pad]), empty

@@ -603,7 +603,7 @@ class Scheduler:
                 self._last_sat_out = int(decode.sum())
             return None   # everyone waits for text: the loop sleeps until a command arrives
         ids = np.where(has_text, self._trail[np.arange(n), np.minimum(pos, self._trail.shape[1] - 1)], self._pad_id)
-        text = self.model.talker.embed_text(torch.from_numpy(ids))    # host ids: the table may be there
+        text = self.model.talker.embed_text(to_device(ids, self.device))
         out = None
         for _ in range(self.oom_retries + 1):
             try:

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import PredictorConfig, TalkerConfig
-from ..host import to_device
 from ..kv_cache import KVCache
 from .layers import DecoderStack
 from .predictor import CodePredictor, SampleFn
@@ -64,14 +63,8 @@ class Talker(nn.Module):
                        w.dtype, w.device, page_size=page_size, reserve_all=reserve_all)
 
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
-        """E_t(ids) = text_projection(text_embedding(ids)) -> [..., D] on the projection's device.
-
-        The text embedding table (151,936 x 2,048: 0.6 GiB in bf16) may live in host memory while
-        the rest is on a GPU (`engine.loader` keeps it there): its rows are gathered where it is and
-        then moved. Pass ids on the host then, so the gather needs no device-to-host copy."""
-        table = self.model.text_embedding.weight
-        rows = F.embedding(ids.to(table.device), table)
-        return self.text_projection(to_device(rows, self.text_projection.linear_fc1.weight.device))
+        """E_t(ids) = text_projection(text_embedding(ids)) -> [..., D]."""
+        return self.text_projection(self.model.text_embedding(ids))
 
     def embed_codec(self, ids: torch.Tensor) -> torch.Tensor:
         """E_c(ids): the talker codec embedding (vocab 3072: codes and control ids) -> [..., D]."""
