@@ -30,11 +30,20 @@ if has peer; then
     bash .peers/run_all.sh ${PEER_STAGES:-fq517} > "$OUTD/peer.log" 2>&1
   echo "peer rc=$? at $((SECONDS-t0)) s"
 fi
+# throughput right after the peer: the figures to set beside its own, before a DEADLINE cuts the call
+# VOCODER_BATCHES: the scheduler's vocoder_batch values to measure (most streams a vocoder replay decodes)
+# REPS: runs of each batch size (bench.throughput --reps)
+if has throughput; then
+  for vb in ${VOCODER_BATCHES:-64}; do
+    timeout 300 python3 -m bench.throughput --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --reps ${REPS:-1} \
+      --vocoder-batch $vb --out "$R" >> "$OUTD/throughput.log" 2>&1
+    echo "throughput (vocoder batch $vb) rc=$? at $((SECONDS-t0)) s"
+  done
+fi
 if has checks; then
   timeout 200 python3 -m bench.gpu_checks --model-dir "$MODEL" --out "$R" > "$OUTD/checks.log" 2>&1
   echo "checks rc=$? at $((SECONDS-t0)) s"
 fi
-# VOCODER_BATCHES: the scheduler's vocoder_batch values to measure (most streams a vocoder replay decodes)
 if has memory; then
   for vb in ${VOCODER_BATCHES:-64}; do
     timeout 200 python3 -m bench.memory --model-dir "$MODEL" --vocoder-batch $vb --out "$R" >> "$OUTD/memory.log" 2>&1
@@ -57,13 +66,6 @@ if has first_audio; then
       echo "first_audio burst (prefill budget $budget) rc=$? at $((SECONDS-t0)) s"
     done
   fi
-fi
-if has throughput; then
-  for vb in ${VOCODER_BATCHES:-64}; do
-    timeout 300 python3 -m bench.throughput --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} \
-      --vocoder-batch $vb --out "$R" >> "$OUTD/throughput.log" 2>&1
-    echo "throughput (vocoder batch $vb) rc=$? at $((SECONDS-t0)) s"
-  done
 fi
 if has ttfa; then
   timeout 300 bash bench/ttfa_device.sh "$MODEL" "$R" > "$OUTD/ttfa.log" 2>&1
