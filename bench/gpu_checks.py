@@ -123,7 +123,7 @@ def kv_pages_come_and_go(model) -> dict:
 
 def fused_sampling_vs_plain(model) -> dict:
     """`kernels.sample_rows` draws the same ids as the plain ops (noise from `gumbel_noise`) for 256
-    sampled rows of every codebook of a frame: the in-kernel hash and float64 logs are bit for bit."""
+    sampled rows of every codebook of a frame: the in-kernel hash and float64 logs follow the plain ones."""
     from engine.model import kernels
     from engine.sampling import gumbel_noise, sample
     dev, b = model.device, 256

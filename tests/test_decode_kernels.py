@@ -129,9 +129,9 @@ def test_sample_rows_matches_plain_sampling(kernels, monkeypatch, radix_bits):
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
-def test_sample_rows_noise_is_the_plain_hash_bit_for_bit(kernels):
-    """The kernel's in-kernel Gumbel noise equals `gumbel_noise` exactly: with all-zero logits and no
-    top-k a row's pick is the argmax of its noise alone, over many seeds, frames and codebooks."""
+def test_sample_rows_draws_follow_the_plain_hash(kernels):
+    """The kernel's in-kernel Gumbel noise follows `gumbel_noise`: with all-zero logits and no top-k a
+    row's pick is the argmax of its noise alone, the same over many seeds, frames and codebooks."""
     from engine.sampling import gumbel_noise
     b, v = 64, 2048
     seed = torch.randint(0, 1 << 62, (b,), generator=torch.Generator().manual_seed(3)) * 2 + 1
