@@ -33,11 +33,17 @@ fi
 # throughput right after the peer: the figures to set beside its own, before a DEADLINE cuts the call
 # VOCODER_BATCHES: the scheduler's vocoder_batch values to measure (most streams a vocoder replay decodes)
 # REPS: runs of each batch size (bench.throughput --reps)
+# TREES: source trees to time one after the other on this machine (an A/B of commits; each tagged
+#   with its path): "." is the working tree, others hold a commit's engine/ and bench/, made on the
+#   host by `git archive REV engine bench | tar -x -C .device/REV` and carried along
 if has throughput; then
-  for vb in ${VOCODER_BATCHES:-64}; do
-    timeout 300 python3 -m bench.throughput --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --reps ${REPS:-1} \
-      --vocoder-batch $vb --out "$R" >> "$OUTD/throughput.log" 2>&1
-    echo "throughput (vocoder batch $vb) rc=$? at $((SECONDS-t0)) s"
+  for tree in ${TREES:-.}; do
+    for vb in ${VOCODER_BATCHES:-64}; do
+      (cd "$tree" && PYTHONPATH=/tmp/site_srv:$PWD timeout 300 python3 -m bench.throughput --model-dir "$MODEL" \
+        --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --reps ${REPS:-1} --vocoder-batch $vb --tag "$tree" \
+        --out "$R") >> "$OUTD/throughput.log" 2>&1
+      echo "throughput ($tree, vocoder batch $vb) rc=$? at $((SECONDS-t0)) s"
+    done
   done
 fi
 if has checks; then

@@ -1,4 +1,4 @@
-"""Host-to-device copies that do not wait for the GPU.
+"""Copies between host and device that do not wait for the GPU.
 
 A copy from pageable host memory returns only once the GPU has taken it, i.e. after every kernel
 queued before it has run: each small upload between launches (a prompt's ids, a slot's table entries)
@@ -18,3 +18,27 @@ def to_device(values, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     if t.device.type == "cpu" and torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+class ToHost:
+    """A device tensor's copy on its way to the host: queued like a kernel, read with `wait()`.
+
+    The scheduler launches a step, then reads the one before it while the GPU runs (the host's work
+    between steps no longer leaves the GPU idle), so results come back through pinned memory and an
+    event instead of a blocking `.cpu()`. On the CPU the copy is made at once.
+    """
+
+    def __init__(self, t: torch.Tensor):
+        cuda = t.device.type == "cuda"
+        self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda).copy_(t, non_blocking=cuda)
+        self._done = None
+        if cuda:
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def wait(self) -> torch.Tensor:
+        """The host copy, once the device has written it."""
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+        return self._host

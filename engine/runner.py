@@ -17,12 +17,17 @@ Protocol (slots are integers 0..max_batch-1; the caller owns the allocation):
     runner.admit(slots, params, max_frames)          # O(1) per slot: fresh state
     runner.reserve(slots, positions)                 # optional: cache pages ahead of need
     status = runner.prefill(slots, chunks, last)     # any slots; one talker forward; chunked prompts OK
-    out = runner.step(n, active, text_embeds)        # slots 0..n-1, one frame for every active row
-    out.frames[b], out.status[b] (RUNNING / EOS / LIMIT): a finished row's slot may be admitted again
-    runner.release(slots)                            # after it, to give its cache pages back.
+    step = runner.step(n, active, text_embeds)       # slots 0..n-1, one frame for every active row
+    step.frames                                      # [n, 16] on the device at once
+    out = step.result()                              # later: out.status[b] (RUNNING / EOS / LIMIT)
+    runner.release(slots)                            # a finished row's pages back; its slot may be admitted again.
 Decode runs over the contiguous slot range 0..n-1 with no gather; a row that is inactive in a step
 (free, finished, still prefilling, or waiting for text) is computed but none of its state changes.
 Rows of one decode batch must be packed into the low slots by the caller to keep n small.
+
+A step may be launched before the previous one's result is read (the scheduler does, to keep the
+GPU busy while the host works): a row that finished in the previous step stays finished on the
+device (`alive`) even if the caller still marks it active, and its result says it did not advance.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .host import to_device
+from .host import ToHost, to_device
 from .requests import SamplingParams
 from .sampling import (SamplingTensors, TalkerLogitsProcessor, fused_sampling, sample_subtalker, sample_talker,
                        subtalker_noise)
@@ -40,10 +45,23 @@ RUNNING, EOS, LIMIT = 0, 1, 2
 
 
 @dataclass
-class StepOutput:
-    frames: torch.Tensor       # [n, 16] int64 on the device, valid until the next step (inactive rows: garbage)
-    frames_cpu: torch.Tensor   # the same on the host
-    status: list[int]          # per row: RUNNING, EOS (next c0 was EOS: no more frames) or LIMIT
+class StepResult:
+    frames: torch.Tensor       # [n, 16] int64 on the host (rows that did not advance: garbage)
+    status: np.ndarray         # per row: RUNNING, EOS (next c0 was EOS: no more frames) or LIMIT
+    advanced: np.ndarray       # per row: made a frame (active, and not finished by an earlier step)
+
+
+class LaunchedStep:
+    """A decode step queued on the device: its frames are usable there at once, its result on the
+    host once the device has run it."""
+
+    def __init__(self, packed: torch.Tensor):
+        self.frames = packed[:, :16]    # [n, 16] on the device, valid until the next step
+        self._host = ToHost(packed)
+
+    def result(self) -> StepResult:
+        packed = self._host.wait()
+        return StepResult(packed[:, :16], packed[:, 16].numpy(), packed[:, 17].numpy().astype(bool))
 
 
 class ModelRunner:
@@ -73,6 +91,7 @@ class ModelRunner:
         self.seen = torch.zeros(s, cfg.vocab_size, dtype=torch.bool, device=dev)  # c0 history
         self.generated = torch.zeros(s, dtype=torch.long, device=dev)    # c0 tokens sampled so far
         self.limit = torch.zeros(s, dtype=torch.long, device=dev)        # max frames
+        self.alive = torch.zeros(s, dtype=torch.bool, device=dev)        # not finished: may advance
         self.params = SamplingTensors.from_params([SamplingParams(seed=0)] * s, dev)
         self.lengths = np.zeros(s, dtype=np.int64)   # host mirror of `length`: kmax without a device sync
         self.graphs = None                            # engine.graphs.StepGraphs once enabled
@@ -110,6 +129,7 @@ class ModelRunner:
         self.generated[idx] = 0
         self.seen[idx] = False
         self.limit[idx] = to_device(max_frames, self.device, torch.long)
+        self.alive[idx] = True
         self.lengths[slots] = 0
 
     # -- prefill ---------------------------------------------------------------------------------
@@ -146,7 +166,9 @@ class ModelRunner:
         self.c0[di] = c0
         self.seen[di] = self.seen[di].scatter(1, c0[:, None], True)
         self.generated[di] += 1
-        status = self._status(c0, self.generated[di], self.length[di], self.limit[di]).cpu().tolist()
+        status = self._status(c0, self.generated[di], self.length[di], self.limit[di])
+        self.alive[di] = status == RUNNING
+        status = status.cpu().tolist()
         out = [RUNNING] * len(slots)
         for i, st in zip(done, status):
             out[i] = st
@@ -182,8 +204,10 @@ class ModelRunner:
 
     def decode(self, n: int, kmax: int, act: torch.Tensor, text_embeds: torch.Tensor) -> torch.Tensor:
         """The device part of `step` for slots 0..n-1, attending over kmax keys: frames and status
-        packed as [n, 17] int64. Only tensor ops with static shapes for (n, kmax), and rows with
-        act False keep their state, so `engine.graphs` captures it in a CUDA graph as it is."""
+        packed as [n, 18] int64 (16 codes, status, advanced). Only tensor ops with static shapes for
+        (n, kmax), and rows with act False (or not alive) keep their state, so `engine.graphs`
+        captures it in a CUDA graph as it is."""
+        act = act & self.alive[:n]
         params = self.params.head(n)
         frame_index = self.generated[:n] - 1
         h, c0 = self.h[:n], self.c0[:n]
@@ -203,19 +227,21 @@ class ModelRunner:
         self.length[:n] += act
         status = self._status(new_c0, self.generated[:n], self.length[:n], self.limit[:n])
         status = torch.where(act, status, RUNNING)
-        return torch.cat([frames, status[:, None]], dim=1)
+        self.alive[:n] &= status == RUNNING
+        return torch.cat([frames, status[:, None], act[:, None]], dim=1)
 
     @torch.no_grad()
-    def step(self, n: int, active: list[bool], text_embeds: torch.Tensor) -> StepOutput:
-        """One frame for every active row among slots 0..n-1.
+    def step(self, n: int, active: list[bool], text_embeds: torch.Tensor) -> LaunchedStep:
+        """Launch one frame for every active row among slots 0..n-1.
 
         active: n host bools; text_embeds [n, D]: the text term each row adds to its frame embedding
         (its next trailing text embed, tts_eos, or tts_pad; ignored for inactive rows).
         For each active row: the code predictor completes frame k from (h, c0), the talker runs
         embed_frame(frame) + text at the next position, and c0 number k+1 is sampled. The frame is
         returned; status says whether the row continues (inactive rows: RUNNING, state untouched).
-        One host->device copy (the mask) and one device->host copy (frames + status). On CUDA with
-        graphs enabled (`use_cuda_graphs`), the device part replays a captured graph per bucket.
+        One host->device copy (the mask) and one device->host copy (frames + status), neither of
+        which waits for the device. On CUDA with graphs enabled (`use_cuda_graphs`), the device part
+        replays a captured graph per bucket.
         """
         on_host = np.asarray(active, dtype=bool)
         short = self.unreserved(n, on_host)
@@ -228,6 +254,5 @@ class ModelRunner:
             kmax = min(self.capacity, -(-live // self.kv_bucket) * self.kv_bucket)
             act = to_device(on_host, self.device)
             out = self.decode(n, kmax, act, text_embeds.to(self.dtype))
-        packed = out.cpu()
-        self.lengths[:n] += on_host
-        return StepOutput(out[:, :16], packed[:, :16], packed[:, 16].tolist())
+        self.lengths[:n] += on_host   # a row finished on the device counts one too many: it is over anyway
+        return LaunchedStep(out)

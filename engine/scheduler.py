@@ -14,12 +14,21 @@ Each iteration of the engine loop:
   3. prefill: one talker forward over the prompts being admitted, at most `prefill_chunk` positions per
      row and `prefill_budget` in all, so a long prompt delays the other sessions' frame by a bounded
      amount (it finishes over several iterations);
-  4. one decode step (`ModelRunner.step`) for every slot that has its next text: the model eats one
-     text token per frame, so a session whose text has not arrived yet sits the step out with its
-     state intact, and one past its text feeds tts_eos then tts_pad;
-  5. the streaming vocoder decodes, batched, the windows that are due (`engine.streaming`: they grow
-     while the listener holds enough audio, judged from the recent time per step);
-  6. finished sessions (EOS, frame limit) get their last audio and result, and their slots are free.
+  4. launch one decode step (`ModelRunner.step`) for every slot that has its next text: the model
+     eats one text token per frame, so a session whose text has not arrived yet sits the step out
+     with its state intact, and one past its text feeds tts_eos then tts_pad;
+  5. while the GPU runs it, read back what the previous iteration launched: send the audio of its
+     vocoder windows (and the results of the sessions whose last audio that was), and take its
+     step's frames and ends (EOS, frame limit: the slot is free at once);
+  6. launch the streaming vocoder, batched, on the windows that are due (`engine.streaming`: they
+     grow while the listener holds enough audio, judged from the recent time per step), and on
+     the last frames of the sessions that ended.
+
+The host thus works one step behind the GPU, which always has the next step queued: the host's
+work per frame (admissions, bookkeeping, sending audio) is hidden behind the device's, where it used
+to leave the GPU idle. A row that ended in the step being read back was already launched again in
+the next one; the device keeps it finished (`ModelRunner`), and its frame there is dropped. A
+session's audio thus reaches its listener one step later than the frame is made.
 
 Sampling is batch-invariant (`engine.sampling`): a request with a seed gives the same codes alone or
 in any batch, at any arrival frame. The talker KV cache is paged (`engine.kv_cache`): admission
@@ -52,9 +61,9 @@ from .prompt import PromptBuilder, resolve_language
 from .requests import AudioChunk, SpeechRequest, TurnResult
 from .kv_cache import CacheFull
 from .model import kernels
-from .runner import EOS, RUNNING, ModelRunner
+from .runner import EOS, RUNNING, LaunchedStep, ModelRunner
 from .sampling import SamplingTensors
-from .streaming import StreamingVocoder, WindowPolicy, release_cached_memory
+from .streaming import StreamingVocoder, WindowAudio, WindowPolicy, release_cached_memory
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +156,19 @@ class _Session:
     ttfa_ms: float = 0.0
     codes: list = field(default_factory=list)  # [16] host rows, when the scheduler keeps codes
     closed: bool = False
+
+
+@dataclass(eq=False)
+class _Launched:
+    """Device work one iteration launched, which the next one reads back."""
+    step: Optional[LaunchedStep] = None
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))   # slots active in it
+    sessions: list = field(default_factory=list)    # the session of each of `rows` at launch
+    windows: list = field(default_factory=list)     # (sessions, WindowAudio) per window decode
+    ending: list = field(default_factory=list)      # sessions whose last audio is in `windows`
+
+    def pending(self) -> bool:
+        return self.step is not None or bool(self.windows or self.ending)
 
 
 class RequestHandle:
@@ -283,6 +305,8 @@ class Scheduler:
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
         self._defer_admissions = 0
+        self._launched = _Launched()            # what the last iteration left running on the device
+        self._out_of_pages_ending: list[_Session] = []   # sessions the cache had no page for
         self._trimmed = False                   # cache pages went back to the allocator since it was emptied
         self._cache_full = False                # an admission found the cache's page budget spent
         self._steps = self._frames_total = self._ooms = self._text_waits = 0
@@ -378,8 +402,9 @@ class Scheduler:
                     self._iterate()
                 except Exception as e:   # a bug: fail the sessions in flight, keep serving the others
                     log.exception("engine iteration failed")
-                    for s in [s for s in self._by_slot if s is not None]:
+                    for s in self._sessions_in_flight():
                         self._close(s, "error", f"engine error: {type(e).__name__}: {e}")
+                    self._launched, self._out_of_pages_ending = _Launched(), []
         finally:
             while True:        # requests submitted before stop() but not yet seen
                 try:
@@ -388,8 +413,12 @@ class Scheduler:
                     break
                 if command[0] == "submit":
                     self._waiting.append(command[1])
-            for s in [*self._waiting, *(s for s in self._by_slot if s is not None)]:
+            for s in [*self._waiting, *self._sessions_in_flight()]:
                 self._close(s, "error", "scheduler stopped")
+
+    def _sessions_in_flight(self) -> list[_Session]:
+        """Sessions holding a slot, and those whose last audio is still on its way."""
+        return [*(s for s in self._by_slot if s is not None), *self._launched.ending]
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once asked to stop."""
@@ -427,7 +456,7 @@ class Scheduler:
             self._close(s, "cancelled")
 
     def _has_work(self) -> bool:
-        if (self._phase == PREFILL).any():
+        if self._launched.pending() or (self._phase == PREFILL).any():
             return True
         decode = self._phase == DECODE
         if (decode & ((self._trail_pos < self._trail_len) | self._text_done)).any():
@@ -447,20 +476,20 @@ class Scheduler:
         t1 = time.perf_counter()
         self._prefill()
         t2 = time.perf_counter()
-        ended = self._step()
+        previous, self._launched = self._launched, self._launch_step()
         t3 = time.perf_counter()
-        self._vocode(ended or [])
-        for s in ended or []:
-            self._close(s, s.reason)
+        ended = self._read_back(previous)
+        t4 = time.perf_counter()
+        self._launch_windows(ended)
         self._trim_cache()
         dt = time.perf_counter() - t0
         if dt > self.slow_iteration_s:     # every session waits this long for its next frame: say where it went
-            log.warning("slow engine iteration: %.0f ms (admission %.0f, prefill %.0f, step %.0f, vocoder %.0f ms;"
-                        " %d admitted, %d prefilling, %d decoding; %d Triton kernels compiled)", dt * 1000,
-                        (t1 - t0) * 1000, (t2 - t1) * 1000, (t3 - t2) * 1000, (t0 + dt - t3) * 1000,
-                        waiting - len(self._waiting), prefilling, int((self._phase == DECODE).sum()),
-                        kernels.compiles - compiles)
-        if ended is not None:
+            log.warning("slow engine iteration: %.0f ms (admission %.0f, prefill %.0f, step launch %.0f,"
+                        " read-back %.0f, vocoder launch %.0f ms; %d admitted, %d prefilling, %d decoding;"
+                        " %d Triton kernels compiled)", dt * 1000, (t1 - t0) * 1000, (t2 - t1) * 1000,
+                        (t3 - t2) * 1000, (t4 - t3) * 1000, (t0 + dt - t4) * 1000, waiting - len(self._waiting),
+                        prefilling, int((self._phase == DECODE).sum()), kernels.compiles - compiles)
+        if self._launched.step is not None:
             self._step_s += STEP_TIME_SMOOTHING * (dt - self._step_s)
             with self._lock:
                 self._last_step_ms = dt * 1000
@@ -589,67 +618,87 @@ class Scheduler:
 
     # -- decode ------------------------------------------------------------------------------------
 
-    def _step(self) -> Optional[list[_Session]]:
-        """One frame for every decoding slot that has its next text; returns the sessions that ended
-        (None when no step ran)."""
+    def _launch_step(self) -> _Launched:
+        """Launch one frame for every decoding slot that has its next text (the step's frames go into
+        the vocoder's rings on the device at once; `_read_back` takes its result next iteration)."""
+        launched = _Launched()
         decode = self._phase == DECODE
         if not decode.any():
-            return None
+            return launched
         n = int(np.flatnonzero(decode)[-1]) + 1
         pos, has_text = self._trail_pos[:n], self._trail_pos[:n] < self._trail_len[:n]
         active = decode[:n] & (has_text | self._text_done[:n])
         if not active.any():
             with self._lock:
                 self._last_sat_out = int(decode.sum())
-            return None   # everyone waits for text: the loop sleeps until a command arrives
+            return launched   # everyone waits for text: the loop sleeps until a command arrives
         ids = np.where(has_text, self._trail[np.arange(n), np.minimum(pos, self._trail.shape[1] - 1)], self._pad_id)
         text = self.model.talker.embed_text(to_device(ids, self.device))
-        out = None
+        step = None
         for _ in range(self.oom_retries + 1):
             try:
-                out = self.runner.step(n, active.tolist(), text)
+                step = self.runner.step(n, active.tolist(), text)
                 break
             except CacheFull:           # retrying would not bring pages back
                 break
             except torch.OutOfMemoryError:
                 self._out_of_memory()
-        if out is None:     # nothing advanced; the next iteration tries again, without the rows
-            return self._out_of_pages(n, active)   # that found no room for their next position
+        if step is None:     # nothing advanced; the next iteration tries again, without the rows
+            self._out_of_pages(n, active)   # that found no room for their next position
+            return launched
         self._trail_pos[:n] += active & has_text
         rows = np.flatnonzero(active)
-        self._frames[rows] += 1
-        self.vocoder.add(rows, out.frames)
-        if self.keep_codes:
-            for slot in rows:
-                self._by_slot[slot].codes.append(out.frames_cpu[slot])
-        status = np.asarray(out.status)
-        ended = []
-        for slot in rows[status[rows] != RUNNING]:
-            s = self._by_slot[slot]
-            s.reason = "eos" if status[slot] == EOS else "max_frames"
-            ended.append(s)
+        self.vocoder.add(rows, step.frames)
+        launched.step, launched.rows, launched.sessions = step, rows, [self._by_slot[r] for r in rows]
         with self._lock:
             self._steps += 1
-            self._frames_total += rows.size
             self._last_batch = int(rows.size)
             self._last_sat_out = int(decode.sum()) - int(rows.size)
             self._text_waits += self._last_sat_out
-        return ended
+        return launched
 
-    def _out_of_pages(self, n: int, active: np.ndarray) -> Optional[list[_Session]]:
+    def _out_of_pages(self, n: int, active: np.ndarray) -> None:
         """Rows whose next position has no cache page (the page budget is spent, or the device had no
         room after the retries) end as if their frame limit came (their audio so far is delivered):
         the other sessions are not held up waiting for memory that may not come back."""
         rows = self.runner.unreserved(n, active)
-        if not rows.size:
-            return None
-        log.warning("no device memory for the KV cache of %d sessions: ending their turns", rows.size)
-        for slot in rows:
-            self._by_slot[slot].reason = "max_frames"
-        return [self._by_slot[slot] for slot in rows]
+        if rows.size:
+            log.warning("no device memory for the KV cache of %d sessions: ending their turns", rows.size)
+            self._out_of_pages_ending += [self._by_slot[slot] for slot in rows]
 
-    def _vocode(self, ended: list[_Session]) -> None:
-        """Decode the windows that are due, batched, and send their audio.
+    def _read_back(self, launched: _Launched) -> list[_Session]:
+        """Send the audio an earlier iteration launched, close the sessions it ended, and take its
+        step's frames; returns the sessions that ended in that step (their slots still held)."""
+        for sessions, audio in launched.windows:
+            for s, pcm in zip(sessions, audio.wait()):
+                self._emit(s, pcm)
+        for s in launched.ending:
+            self._close(s, s.reason)
+        ended, self._out_of_pages_ending = self._out_of_pages_ending, []
+        for s in ended:
+            s.reason = "max_frames"
+        if launched.step is None:
+            return ended
+        out = launched.step.result()
+        mine = np.array([s.slot == r and not s.closed for s, r in zip(launched.sessions, launched.rows)], dtype=bool)
+        rows = launched.rows[mine & out.advanced[launched.rows]]      # others: cancelled, or ended a step earlier
+        self._frames[rows] += 1
+        self.vocoder.confirm(rows)
+        if self.keep_codes:
+            for slot in rows:
+                self._by_slot[slot].codes.append(out.frames[slot])
+        for slot in rows[out.status[rows] != RUNNING]:
+            s = self._by_slot[slot]
+            if s.reason is None:
+                s.reason = "eos" if out.status[slot] == EOS else "max_frames"
+                ended.append(s)
+        with self._lock:
+            self._frames_total += rows.size
+        return ended
+
+    def _launch_windows(self, ended: list[_Session]) -> None:
+        """Launch the decode of the windows that are due, batched; the sessions that `ended` give
+        their slots back after their last window, and get their result once its audio is sent.
 
         Sessions that ended, and sessions waiting for text, flush what they have: audio already
         generated is never held back behind text that has not arrived.
@@ -659,11 +708,14 @@ class Scheduler:
         flush[[s.slot for s in ended]] = True
         slots = np.flatnonzero(decode)
         for group, frames in self.vocoder.due(slots, flush[slots], self._step_s):
-            wav = self.vocoder.decode(group, frames)
-            for slot, pcm in zip(group, wav):
-                self._emit(self._by_slot[slot], pcm)
+            self._launched.windows.append(([self._by_slot[slot] for slot in group], self.vocoder.decode(group, frames)))
+        for s in ended:
+            self._release(s)
+        self._launched.ending += ended
 
     def _emit(self, s: _Session, pcm: np.ndarray) -> None:
+        if s.closed:          # cancelled while its audio was being made
+            return
         if s.samples == 0:
             s.ttfa_ms = (time.monotonic() - s.submitted) * 1000
         s.outbox.put(AudioChunk(pcm, s.samples // self.samples_per_frame, s.samples))
@@ -672,30 +724,33 @@ class Scheduler:
     # -- endings -----------------------------------------------------------------------------------
 
     def _close(self, s: _Session, reason: str, error: Optional[str] = None) -> None:
-        """Send the session's result and free whatever it holds (slot or place in the queue)."""
+        """Send the session's result and free whatever it still holds (slot or place in the queue)."""
         if s.closed:
             return
         s.closed = True
-        if s.slot is None:
-            if s in self._waiting:
-                self._waiting.remove(s)
+        if s.slot is not None:
+            self._release(s)
+        elif s in self._waiting:
+            self._waiting.remove(s)
             with self._lock:
                 self._queued -= 1
-        else:
-            s.frames = int(self._frames[s.slot])
-            self._phase[s.slot] = FREE
-            self._by_slot[s.slot] = None
-            self._trail_len[s.slot] = self._trail_pos[s.slot] = 0
-            self._text_done[s.slot] = False
-            self._free.append(s.slot)
-            self._free.sort()
-            self.runner.release([s.slot])
-            self._cache_full = False
-            s.slot = None
         codes = None
         if self.keep_codes:
             codes = (torch.stack(s.codes).numpy() if s.codes else np.zeros((0, 16), dtype=np.int64))
         s.outbox.put(TurnResult(reason, s.frames, s.samples, s.queue_ms, s.ttfa_ms, error, codes))
+
+    def _release(self, s: _Session) -> None:
+        """The session's slot and cache pages are free (work already launched for it still runs first)."""
+        s.frames = int(self._frames[s.slot])
+        self._phase[s.slot] = FREE
+        self._by_slot[s.slot] = None
+        self._trail_len[s.slot] = self._trail_pos[s.slot] = 0
+        self._text_done[s.slot] = False
+        self._free.append(s.slot)
+        self._free.sort()
+        self.runner.release([s.slot])
+        self._cache_full = False
+        s.slot = None
 
     def _trim_cache(self) -> None:
         """Free KV pages beyond a spare of max(SPARE_PAGES, half the pages in use) go back to PyTorch's

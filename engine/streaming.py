@@ -1,11 +1,15 @@
 """Streaming vocoder windows for the scheduler: which sessions' audio is due, decoded in batches.
 
-Each slot's generated frames wait in a slot-indexed device buffer until its window closes: a small
+Each slot's generated frames wait in a slot-indexed device ring until its window closes: a small
 first window (time to first audio), then larger ones as far as the listener's buffered audio allows
 (`WindowPolicy`). A finishing session, or one that must wait for text, flushes what it has. Sessions
 due with the same window size are decoded in one batched `VocoderStreams.decode`, whose stateful
 causal decoder makes the concatenated windows equal to one decode of all the frames. An ICL session's stream is primed with its reference codes, so its audio
 equals decoding `ref_codes ++ codes` and dropping the first `T_ref * 1920` samples.
+
+The scheduler runs one step ahead of what it has read back (`engine.scheduler`): a step's frames
+are put in the ring when it is launched (`add`), and count toward a window once its result says the
+row made them (`confirm`); a window's audio comes back to the host without waiting (`WindowAudio`).
 
 On device out-of-memory a window decode is split, first across streams, then in time (the decoder
 state carries over, so the audio is the same).
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .host import to_device
+from .host import ToHost, to_device
 from .model.vocoder import VocoderStreams
 
 
@@ -30,8 +34,8 @@ class WindowPolicy:
     the sizes `first`, 2 x `first`, 4 x `first` ... `rest` (a few fixed sizes, each with its CUDA
     graphs): at `rest`, or earlier when waiting for the next size could let the listener run dry.
     The listener holds the audio sent so far less the time since its first chunk (`held_s`); waiting
-    for the next size takes its missing frames at `step_s` each, plus one frame for the decode and
-    the way out. So windows grow to `rest` (fewer, fatter vocoder calls) while generation is well
+    for the next size takes its missing frames at `step_s` each, plus two: the step that runs while
+    the window is decoded, and the way out. So windows grow to `rest` (fewer, fatter vocoder calls) while generation is well
     ahead of real time and stay small near it: frames made at least as fast as they play never
     leave playback empty.
     """
@@ -56,8 +60,21 @@ class WindowPolicy:
         sizes = np.asarray(self.sizes())
         nxt = sizes[np.minimum(np.searchsorted(sizes, pending, side="right"), len(sizes) - 1)]
         at_size = np.isin(pending, sizes)
-        running_dry = held_s < (nxt - pending + 1) * step_s
+        running_dry = held_s < (nxt - pending + 2) * step_s
         return np.where(decoded == 0, pending >= self.first, (pending >= sizes[-1]) | (at_size & running_dry))
+
+
+class WindowAudio:
+    """A window decode's audio on its way to the host; split on out-of-memory, its parts are joined
+    along `axis` (0: streams, 1: time) when read."""
+
+    def __init__(self, parts: list, axis: int = 0):
+        self.parts, self.axis = parts, axis
+
+    def wait(self) -> np.ndarray:
+        """Audio [streams, samples] float32, once the device has made it."""
+        return np.concatenate([p.wait() if isinstance(p, WindowAudio) else p.wait().numpy() for p in self.parts],
+                              axis=self.axis)
 
 
 class StreamingVocoder:
@@ -73,9 +90,11 @@ class StreamingVocoder:
         self.policy = policy
         device = self.streams.frames.device
         self.device = device
-        self.pending = torch.zeros(max_streams, max(policy.first, policy.rest), num_codebooks,
-                                   dtype=torch.long, device=device)
-        self.count = np.zeros(max_streams, dtype=np.int64)     # frames waiting in `pending`
+        # frame k of a stream sits at k % ring: a window, the step launched after it and the next fit
+        self.ring = 2 * max(policy.first, policy.rest) + 2
+        self.pending = torch.zeros(max_streams, self.ring, num_codebooks, dtype=torch.long, device=device)
+        self.written = np.zeros(max_streams, dtype=np.int64)   # frames put in the ring (confirmed or not)
+        self.count = np.zeros(max_streams, dtype=np.int64)     # confirmed frames waiting for a window
         self.decoded = np.zeros(max_streams, dtype=np.int64)   # frames already turned into audio
         self.started = np.zeros(max_streams)                   # time.monotonic() of the first audio
         self.graphs = None                                       # engine.graphs.VocoderGraphs once enabled
@@ -89,8 +108,7 @@ class StreamingVocoder:
     def start(self, slots: list[int], ref_codes: list[torch.Tensor | None]) -> None:
         """Fresh streams for new sessions; ICL ones are primed by decoding their reference codes."""
         idx = np.asarray(slots, dtype=np.int64)
-        self.count[idx] = 0
-        self.decoded[idx] = 0
+        self.written[idx] = self.count[idx] = self.decoded[idx] = 0
         self.streams.reset(self._index(slots))
         by_length: dict[int, list[tuple[int, torch.Tensor]]] = {}
         for s, r in zip(slots, ref_codes):
@@ -100,11 +118,16 @@ class StreamingVocoder:
             self._decode(self._index([s for s, _ in group]), to_device(torch.stack([r for _, r in group]), self.device))
 
     def add(self, rows: np.ndarray, frames: torch.Tensor) -> None:
-        """Append frames[rows] (one frame each, [n, 16] on the device) to the pending windows of slots `rows`."""
+        """Put frames[rows] (one frame each, [n, 16] on the device, from a step just launched) in the
+        rings of slots `rows`; they join a window once `confirm`ed."""
         if rows.size == 0:
             return
         idx = self._index(rows)
-        self.pending[idx, self._index(self.count[rows])] = frames[idx]
+        self.pending[idx, self._index(self.written[rows] % self.ring)] = frames[idx]
+        self.written[rows] += 1
+
+    def confirm(self, rows: np.ndarray) -> None:
+        """The step's result says slots `rows` made the frame `add` put in their rings."""
         self.count[rows] += 1
 
     def held_s(self, slots: np.ndarray) -> np.ndarray:
@@ -120,30 +143,33 @@ class StreamingVocoder:
         counts = self.count[ready]
         return [(ready[counts == w], int(w)) for w in np.unique(counts)]
 
-    def decode(self, slots: np.ndarray, frames: int) -> np.ndarray:
-        """Audio [len(slots), frames*1920] float32 of the first `frames` pending frames of each slot.
+    def decode(self, slots: np.ndarray, frames: int) -> WindowAudio:
+        """Launch the decode of each slot's `frames` confirmed pending frames: audio
+        [len(slots), frames*1920] float32 once waited for.
 
         `frames` must equal the pending count of every slot in `slots` (as `due` groups them).
         """
-        wav = self._decode(self._index(slots), self.pending[self._index(slots), :frames])
+        idx = self._index(slots)
+        ring = self._index((self.decoded[slots, None] + np.arange(frames)) % self.ring)
+        audio = self._decode(idx, self.pending[idx[:, None], ring])
         self.started[slots] = np.where(self.decoded[slots] == 0, time.monotonic(), self.started[slots])
         self.count[slots] = 0
         self.decoded[slots] += frames
-        return wav
+        return audio
 
-    def _decode(self, idx: torch.Tensor, codes: torch.Tensor) -> np.ndarray:
+    def _decode(self, idx: torch.Tensor, codes: torch.Tensor) -> WindowAudio:
         try:
             decode = self.graphs.decode if self.graphs is not None else self.streams.decode
-            return decode(idx, codes).cpu().numpy()
+            return WindowAudio([ToHost(decode(idx, codes))])
         except torch.OutOfMemoryError:
             self.on_out_of_memory()
             b, w = codes.shape[:2]
             if b > 1:
                 h = b // 2
-                return np.concatenate([self._decode(idx[:h], codes[:h]), self._decode(idx[h:], codes[h:])])
+                return WindowAudio([self._decode(idx[:h], codes[:h]), self._decode(idx[h:], codes[h:])])
             if w > 1:
                 h = w // 2
-                return np.concatenate([self._decode(idx, codes[:, :h]), self._decode(idx, codes[:, h:])], axis=1)
+                return WindowAudio([self._decode(idx, codes[:, :h]), self._decode(idx, codes[:, h:])], axis=1)
             raise
 
     def _index(self, values) -> torch.Tensor:

@@ -59,10 +59,10 @@ def synthesize(model, requests: list[SpeechRequest]) -> list[SynthResult]:
     k = 0
     while any(s == RUNNING for s in status):
         active = [s == RUNNING for s in status]
-        out = runner.step(b, active, trailing[:, min(k, width - 1)])
+        out = runner.step(b, active, trailing[:, min(k, width - 1)]).result()
         for i in np.flatnonzero(active):
-            frames[i].append(out.frames_cpu[i])
-            status[i] = out.status[i]
+            frames[i].append(out.frames[i])
+            status[i] = int(out.status[i])
         k += 1
     codes = [torch.stack(f) if f else torch.zeros(0, 16, dtype=torch.long) for f in frames]
     wavs = decode(model, codes, [r.voice.ref_codes if r.voice.icl else None for r in requests])

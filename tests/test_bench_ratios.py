@@ -22,3 +22,12 @@ def test_ratios_use_the_peer_median_at_the_same_batch():
 
 def test_no_peer_no_lines():
     assert ratios(ROWS[:3]) == []
+
+
+def test_our_reps_give_their_median_per_source_tree():
+    ours = [{"peer": "qwen3-tts-server", "kind": "run", "mode": "scheduler", "batch": 1, "tag": tag, "rtf_aggregate": x}
+            for tag, x in ((".", 12.0), (".", 20.0), (".", 16.0), (".device/old", 8.0))]
+    assert ratios(ours + ROWS[3:6]) == [
+        "B=1: 16.0x real time (.) vs faster-qwen3-tts 4.00x: 4.00x",
+        "B=1: 8.0x real time (.device/old) vs faster-qwen3-tts 4.00x: 2.00x",
+    ]

@@ -99,7 +99,7 @@ def test_fused_decode_samples_the_same_frames(tiny_model_dir, fused_model):
         runner = ModelRunner(model, 2, 32)
         runner.admit([0, 1], [SamplingParams(seed=11), SamplingParams(seed=12, temperature=0.7)], [20, 20])
         runner.prefill([0, 1], prompts)
-        frames.append(torch.stack([runner.step(2, [True, i != 1], text).frames_cpu for i in range(4)]))
+        frames.append(torch.stack([runner.step(2, [True, i != 1], text).result().frames for i in range(4)]))
     torch.testing.assert_close(frames[1], frames[0], atol=0, rtol=0)
 
 

@@ -108,13 +108,13 @@ def test_runner_rows_sit_out_and_slots_reuse(model, golden_cases, golden_npz, pa
         active = [s in rows and (s, t) not in sit_out for s in (0, 1)]
         text = torch.stack([_text_term(model, rows[s][0], len(rows[s][2])) if s in rows else model.prompts.tts_pad
                             for s in (0, 1)])
-        out = runner.step(2, active, text)
+        out = runner.step(2, active, text).result()
         for s in (0, 1):
             if not active[s]:
                 assert out.status[s] == RUNNING
                 continue
             prompt, expected, frames = rows[s]
-            frames.append(out.frames_cpu[s].numpy())
+            frames.append(out.frames[s].numpy())
             if out.status[s] == RUNNING:
                 continue
             assert out.status[s] == LIMIT
@@ -140,11 +140,35 @@ def test_runner_reports_eos(model, golden_cases, golden_npz):
     runner.prefill([0], [p.embeds])
     frames, status, k = [], RUNNING, 0
     while status == RUNNING:
-        out = runner.step(1, [True], _text_term(model, p, k)[None])
-        frames.append(out.frames_cpu[0].numpy())
+        out = runner.step(1, [True], _text_term(model, p, k)[None]).result()
+        frames.append(out.frames[0].numpy())
         status, k = out.status[0], k + 1
     assert status == EOS
     np.testing.assert_array_equal(np.stack(frames), g)
+
+
+def test_a_step_launched_before_the_last_is_read_keeps_a_finished_row_finished(model, golden_cases, golden_npz):
+    """The scheduler launches step k+1 before it reads step k: the codes are the same, and a row that
+    ended with EOS in step k does not advance in step k+1 (its result says so, its cache stays)."""
+    p, g = _prompt(model, "xvec_eos", golden_cases, golden_npz)
+    runner = ModelRunner(model, max_batch=1, capacity=64)
+    runner.admit([0], [GREEDY], [100])
+    runner.prefill([0], [p.embeds])
+    frames, k = [], 0
+    step = runner.step(1, [True], _text_term(model, p, 0)[None])
+    while True:
+        following = runner.step(1, [True], _text_term(model, p, k + 1)[None])   # before `step` is read
+        out = step.result()
+        assert out.advanced[0]
+        frames.append(out.frames[0].numpy())
+        if out.status[0] != RUNNING:
+            break
+        step, k = following, k + 1
+    assert out.status[0] == EOS
+    np.testing.assert_array_equal(np.stack(frames), g)
+    after = following.result()
+    assert not after.advanced[0] and after.status[0] == RUNNING
+    assert int(runner.length[0]) == p.embeds.shape[0] + len(frames)
 
 
 def test_seeded_sampling_is_batch_invariant(model, golden_cases, golden_npz):

@@ -351,16 +351,16 @@ def test_a_slow_iteration_is_logged_with_its_phases(model, voices, caplog):
     """An iteration longer than `slow_iteration_s` (here a vocoder window made slow) is logged with the
     time of each phase, and the turn still completes."""
     with Scheduler(model, 2, slow_iteration_s=0.15) as sch:
-        vocode = sch._vocode
+        launch_windows = sch._launch_windows
 
-        def slow_vocode(ended):
+        def slow_launch_windows(ended):
             if sch.stats().steps == 3:
                 time.sleep(0.3)
-            vocode(ended)
-        sch._vocode = slow_vocode
+            launch_windows(ended)
+        sch._launch_windows = slow_launch_windows
         with caplog.at_level("WARNING", logger="engine.scheduler"):
             chunks, result = sch.submit(request(voices, "xvec_en", max_frames=8)).collect(60)
     assert result.reason == "max_frames" and result.frames == 8
     slow = [r.getMessage() for r in caplog.records if "slow engine iteration" in r.getMessage()]
-    this = [m for m in slow if float(m.split("vocoder ")[1].split(" ms")[0]) >= 290]
+    this = [m for m in slow if float(m.split("vocoder launch ")[1].split(" ms")[0]) >= 290]
     assert len(this) == 1 and "1 decoding" in this[0] and "0 Triton kernels compiled" in this[0], slow

@@ -13,22 +13,24 @@ FRAME_S = 0.08
 
 def play(policy, step_times, smoothing=0.3):
     """One turn whose frames take `step_times` seconds each to make, windows closed by `policy` (the
-    step time estimated as the scheduler does); a listener plays each chunk from its arrival.
+    step time estimated as the scheduler does); a listener plays each chunk from its arrival, one
+    step after its window closed (the scheduler sends a window's audio once the next step has run).
     Returns (window sizes, underruns: chunks that arrived after the audio before them had played)."""
     t, step_s = 0.0, FRAME_S
     pending = decoded = underruns = 0
-    started = end = None
+    first = end = None      # when the first window closed (the scheduler's reckoning), when playback ends
     windows = []
-    for dt in step_times:
+    for i, dt in enumerate(step_times):
         t += dt
         pending += 1
-        held = decoded * FRAME_S - (t - started) if started is not None else 0.0
+        held = decoded * FRAME_S - (t - first) if first is not None else 0.0
         if policy.due(np.array([pending]), np.array([decoded]), np.array([held]), step_s)[0]:
-            if started is None:
-                started = end = t
-            elif t > end + 1e-9:
+            arrival = t + step_times[min(i + 1, len(step_times) - 1)]
+            if first is None:
+                first, end = t, arrival
+            elif arrival > end + 1e-9:
                 underruns += 1
-                end = t
+                end = arrival
             end += pending * FRAME_S
             decoded += pending
             windows.append(pending)
