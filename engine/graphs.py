@@ -25,6 +25,8 @@ import contextlib
 import numpy as np
 import torch
 
+from .host import to_device
+
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -87,7 +89,7 @@ class StepGraphs:
         b = key[0]
         host = np.zeros(b, dtype=bool)
         host[:n] = active
-        self.act[:b].copy_(torch.from_numpy(host), non_blocking=True)
+        self.act[:b].copy_(to_device(host, self.act.device))   # staged: a pageable copy would wait for the GPU
         self.text[:n].copy_(text_embeds)
         graph, out = entry
         graph.replay()

@@ -60,7 +60,7 @@ class LaunchedStep:
         self._host = ToHost(packed)
 
     def result(self) -> StepResult:
-        packed = self._host.wait()
+        packed = self._host.wait().clone()    # kept codes must not pin the transfer buffer
         return StepResult(packed[:, :16], packed[:, 16].numpy(), packed[:, 17].numpy().astype(bool))
 
 

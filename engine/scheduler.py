@@ -4,8 +4,8 @@ One engine thread owns the device. Other threads (the asyncio server, the CLI, t
 commands through a thread-safe queue: `submit` a `SpeechRequest`, then on the returned
 `RequestHandle` `push_text` / `finish_text` (incremental text) and `cancel`. Audio comes back on the
 handle as `AudioChunk`s, as soon as each vocoder window is decoded, then one final `TurnResult`:
-`async for item in handle` on an event loop (pushed with `loop.call_soon_threadsafe`, so the loop
-never blocks), or `handle.collect()` from plain threads.
+`async for item in handle` on an event loop (woken with `loop.call_soon_threadsafe`, once per burst
+of audio for all its sessions, so the loop never blocks), or `handle.collect()` from plain threads.
 
 Each iteration of the engine loop:
   1. apply commands (new sessions, text, cancels: a cancelled session's slot is free before the step);
@@ -96,25 +96,60 @@ class SchedulerStats:
 Item = Union[AudioChunk, TurnResult]
 
 
+class _LoopWaker:
+    """Wakes the readers of one asyncio loop: the first chunk of a burst schedules one callback on
+    the loop, which sets the events of every outbox filled meanwhile (a step's audio for 256
+    sessions costs one wake-up of the loop, not 256: each is a write to its self-pipe)."""
+
+    _wakers: dict = {}
+    _wakers_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._events: list[asyncio.Event] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "_LoopWaker":
+        with cls._wakers_lock:
+            for dead in [l for l in cls._wakers if l.is_closed()]:
+                del cls._wakers[dead]
+            return cls._wakers.setdefault(loop, cls(loop))
+
+    def wake(self, event: asyncio.Event) -> None:
+        with self._lock:
+            self._events.append(event)
+            if len(self._events) > 1:
+                return           # a callback is already on its way
+        try:
+            self.loop.call_soon_threadsafe(self._set_all)
+        except RuntimeError:     # the loop is closed: nobody is listening any more
+            with self._lock:
+                self._events.clear()
+
+    def _set_all(self) -> None:
+        with self._lock:
+            events, self._events = self._events, []
+        for event in events:
+            event.set()
+
+
 class _Outbox:
     """Items from the engine thread to one consumer, read blocking or from an asyncio loop."""
 
     def __init__(self):
         self._items: collections.deque = collections.deque()
         self._cond = threading.Condition()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._waker: Optional[_LoopWaker] = None
         self._event: Optional[asyncio.Event] = None
 
     def put(self, item: Item) -> None:
         with self._cond:
             self._items.append(item)
             self._cond.notify_all()
-            loop, event = self._loop, self._event
-        if loop is not None:
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:   # the consumer's loop is closed: nobody is listening any more
-                pass
+            waker, event = self._waker, self._event
+        if waker is not None:
+            waker.wake(event)
 
     def get(self, timeout: Optional[float] = None) -> Item:
         with self._cond:
@@ -125,8 +160,8 @@ class _Outbox:
     async def aget(self) -> Item:
         loop = asyncio.get_running_loop()
         with self._cond:
-            if self._loop is not loop:
-                self._loop, self._event = loop, asyncio.Event()
+            if self._waker is None or self._waker.loop is not loop:
+                self._waker, self._event = _LoopWaker.of(loop), asyncio.Event()
             event = self._event
         while True:
             event.clear()

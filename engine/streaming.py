@@ -72,7 +72,8 @@ class WindowAudio:
         self.parts, self.axis = parts, axis
 
     def wait(self) -> np.ndarray:
-        """Audio [streams, samples] float32, once the device has made it."""
+        """Audio [streams, samples] float32, once the device has made it: a copy in pageable memory
+        (the pinned buffers go back to PyTorch's pool at once, however long listeners keep chunks)."""
         return np.concatenate([p.wait() if isinstance(p, WindowAudio) else p.wait().numpy() for p in self.parts],
                               axis=self.axis)
 

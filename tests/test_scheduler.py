@@ -9,6 +9,7 @@ audio is held to the golden tolerance, 1e-4.
 """
 import asyncio
 import copy
+import threading
 import time
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 from engine.loader import load_model
 from engine.requests import AudioChunk, SamplingParams, SpeechRequest, TurnResult, VoicePrompt
 from engine.streaming import WindowPolicy
-from engine.scheduler import Overloaded, Scheduler
+from engine.scheduler import Overloaded, Scheduler, _Outbox
 from oom import inject_out_of_memory
 
 SPF = 1920
@@ -364,3 +365,38 @@ def test_a_slow_iteration_is_logged_with_its_phases(model, voices, caplog):
     slow = [r.getMessage() for r in caplog.records if "slow engine iteration" in r.getMessage()]
     this = [m for m in slow if float(m.split("vocoder launch ")[1].split(" ms")[0]) >= 290]
     assert len(this) == 1 and "1 decoding" in this[0] and "0 Triton kernels compiled" in this[0], slow
+
+
+def test_a_burst_of_chunks_wakes_the_readers_loop_once():
+    """Chunks put into 64 outboxes from another thread all reach their readers on one event loop,
+    in order, and a burst costs the loop one wake-up (a call_soon_threadsafe), not one per chunk."""
+    boxes = [_Outbox() for _ in range(64)]
+    pcm = np.zeros(4, np.float32)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        plain = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), plain(*a))[1]
+        received = {i: [] for i in range(len(boxes))}
+
+        async def read(i):
+            while len(received[i]) < 3:
+                received[i].append((await boxes[i].aget()).frame_offset)
+        readers = [asyncio.create_task(read(i)) for i in range(len(boxes))]
+        await asyncio.sleep(0.05)                # every reader waits on its outbox
+
+        def burst(k):
+            for box in boxes:
+                box.put(AudioChunk(pcm, k, 0))
+        for k in range(3):
+            thread = threading.Thread(target=burst, args=(k,))
+            thread.start()
+            thread.join()                        # the whole burst is in before the loop runs again
+            await asyncio.sleep(0.05)
+        await asyncio.wait_for(asyncio.gather(*readers), 5)
+        return received, len(wakeups)
+
+    received, wakeups = asyncio.run(main())
+    assert all(r == [0, 1, 2] for r in received.values())
+    assert wakeups == 3
