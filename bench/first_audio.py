@@ -25,7 +25,7 @@ from engine.requests import SamplingParams, SpeechRequest
 from engine.scheduler import Scheduler
 from bench.results import emit
 
-PHASES = ("_apply_commands", "_admit", "_prefill", "_launch_step", "_read_back", "_launch_windows")
+PHASES = ("_apply_commands", "_admit", "_prefill", "_launch_step", "_send_audio", "_take_step", "_launch_windows")
 TEXT = "Please remember to bring your umbrella tomorrow, because the forecast says it will rain all afternoon."
 
 

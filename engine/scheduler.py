@@ -28,7 +28,11 @@ The host thus works one step behind the GPU, which always has the next step queu
 work per frame (admissions, bookkeeping, sending audio) is hidden behind the device's, where it used
 to leave the GPU idle. A row that ended in the step being read back was already launched again in
 the next one; the device keeps it finished (`ModelRunner`), and its frame there is dropped. A
-session's audio thus reaches its listener one step later than the frame is made.
+window's audio thus reaches its listener one step after its last frame is made, except a session's
+first: when the step in flight closes a first window, the iteration reads it back before launching
+the next step (5, 6, then 4), so time to first audio does not wait for one more step. On the CPU
+(`overlap` off) a launch is the work itself: each iteration reads its own step back at once and
+sends its windows' audio in the same iteration.
 
 Sampling is batch-invariant (`engine.sampling`): a request with a seed gives the same codes alone or
 in any batch, at any arrival frame. The talker KV cache is paged (`engine.kv_cache`): admission
@@ -275,7 +279,7 @@ class Scheduler:
                  prefill_chunk: int = 256, prefill_budget: int = 4096, frames_per_token: float = 6.0,
                  frame_margin: int = 32, keep_codes: bool = False, oom_retries: int = 2,
                  oom_defer_iterations: int = 4, cuda_graphs: bool = True, vocoder_batch: int = VOCODER_BATCH,
-                 slow_iteration_s: float = 0.25):
+                 slow_iteration_s: float = 0.25, overlap: Optional[bool] = None):
         """model: `engine.loader.TTSModel`. max_batch: slots (sessions decoding at once).
 
         window_frames: vocoder frames for a session's first audio chunk, then for each later one.
@@ -292,6 +296,9 @@ class Scheduler:
         cuda_graphs: on a CUDA device, replay the decode step from CUDA graphs (`engine.graphs`).
         vocoder_batch: most streams one vocoder graph replay decodes (its memory grows with it).
         slow_iteration_s: an engine iteration this long is logged with where its time went.
+        overlap: read each step back while the next one runs (default: on a CUDA device, where
+        launches do not wait for the work; on the CPU they do, and reading back at once sends the
+        audio a step sooner).
         """
         if vocoder_batch < 1:
             raise ValueError(f"vocoder_batch must be >= 1, got {vocoder_batch}")
@@ -307,6 +314,7 @@ class Scheduler:
         self.slow_iteration_s = slow_iteration_s
         self.oom_retries, self.oom_defer_iterations = oom_retries, oom_defer_iterations
         self.device = model.device
+        self.overlap = torch.device(self.device).type == "cuda" if overlap is None else overlap
         self.prompts: PromptBuilder = model.prompts
         self.runner = ModelRunner(model, max_batch, self.max_capacity, page_size=kv_page_size)
         if max_cache_bytes is not None:
@@ -500,31 +508,52 @@ class Scheduler:
 
     def _iterate(self) -> None:
         t0 = time.perf_counter()
-        waiting, compiles = len(self._waiting), kernels.compiles
+        waiting, compiles, steps = len(self._waiting), kernels.compiles, self._steps
+        ms: dict[str, float] = {}
+
+        def phase(name, fn, *args):
+            t = time.perf_counter()
+            out = fn(*args)
+            ms[name] = (time.perf_counter() - t) * 1000
+            return out
+
         if self._defer_admissions > 0:
             self._defer_admissions -= 1
             if not (self._phase != FREE).any():
                 time.sleep(0.01)    # nothing else to do while admissions wait out an out-of-memory error
         else:
-            self._admit()
+            phase("admission", self._admit)
         prefilling = int((self._phase == PREFILL).sum())
-        t1 = time.perf_counter()
-        self._prefill()
-        t2 = time.perf_counter()
-        previous, self._launched = self._launched, self._launch_step()
-        t3 = time.perf_counter()
-        ended = self._read_back(previous)
-        t4 = time.perf_counter()
-        self._launch_windows(ended)
+        phase("prefill", self._prefill)
+        previous, launched = self._launched, _Launched()
+        if not self.overlap:             # launches run as they are made: each result is there at once
+            phase("step launch", self._launch_step, launched)
+            ended = phase("read-back", self._take_step, launched)
+            phase("vocoder launch", self._launch_windows, ended, launched)
+            phase("audio out", self._send_audio, launched)
+            launched = _Launched()
+        elif self.vocoder.first_window_closes(previous.rows):
+            # a session's first audio is due with the step in flight: read it back first, so that
+            # window goes to the GPU ahead of the next step (time to first audio, not one step more)
+            phase("audio out", self._send_audio, previous)
+            ended = phase("read-back", self._take_step, previous)
+            phase("vocoder launch", self._launch_windows, ended, launched)
+            phase("step launch", self._launch_step, launched)
+        else:
+            phase("step launch", self._launch_step, launched)
+            phase("audio out", self._send_audio, previous)
+            ended = phase("read-back", self._take_step, previous)
+            phase("vocoder launch", self._launch_windows, ended, launched)
+        self._launched = launched
         self._trim_cache()
         dt = time.perf_counter() - t0
         if dt > self.slow_iteration_s:     # every session waits this long for its next frame: say where it went
-            log.warning("slow engine iteration: %.0f ms (admission %.0f, prefill %.0f, step launch %.0f,"
-                        " read-back %.0f, vocoder launch %.0f ms; %d admitted, %d prefilling, %d decoding;"
-                        " %d Triton kernels compiled)", dt * 1000, (t1 - t0) * 1000, (t2 - t1) * 1000,
-                        (t3 - t2) * 1000, (t4 - t3) * 1000, (t0 + dt - t4) * 1000, waiting - len(self._waiting),
-                        prefilling, int((self._phase == DECODE).sum()), kernels.compiles - compiles)
-        if self._launched.step is not None:
+            log.warning("slow engine iteration: %.0f ms (%s; %d admitted, %d prefilling, %d decoding;"
+                        " %d Triton kernels compiled)", dt * 1000,
+                        ", ".join(f"{name} {t:.0f}" for name, t in ms.items()) + " ms",
+                        waiting - len(self._waiting), prefilling, int((self._phase == DECODE).sum()),
+                        kernels.compiles - compiles)
+        if self._steps != steps:
             self._step_s += STEP_TIME_SMOOTHING * (dt - self._step_s)
             with self._lock:
                 self._last_step_ms = dt * 1000
@@ -653,20 +682,20 @@ class Scheduler:
 
     # -- decode ------------------------------------------------------------------------------------
 
-    def _launch_step(self) -> _Launched:
-        """Launch one frame for every decoding slot that has its next text (the step's frames go into
-        the vocoder's rings on the device at once; `_read_back` takes its result next iteration)."""
-        launched = _Launched()
+    def _launch_step(self, launched: _Launched) -> None:
+        """Launch one frame for every decoding slot that has its next text, into `launched` (the
+        step's frames go into the vocoder's rings on the device at once; `_take_step` takes its
+        result next iteration)."""
         decode = self._phase == DECODE
         if not decode.any():
-            return launched
+            return
         n = int(np.flatnonzero(decode)[-1]) + 1
         pos, has_text = self._trail_pos[:n], self._trail_pos[:n] < self._trail_len[:n]
         active = decode[:n] & (has_text | self._text_done[:n])
         if not active.any():
             with self._lock:
                 self._last_sat_out = int(decode.sum())
-            return launched   # everyone waits for text: the loop sleeps until a command arrives
+            return   # everyone waits for text: the loop sleeps until a command arrives
         ids = np.where(has_text, self._trail[np.arange(n), np.minimum(pos, self._trail.shape[1] - 1)], self._pad_id)
         text = self.model.talker.embed_text(to_device(ids, self.device))
         step = None
@@ -680,7 +709,7 @@ class Scheduler:
                 self._out_of_memory()
         if step is None:     # nothing advanced; the next iteration tries again, without the rows
             self._out_of_pages(n, active)   # that found no room for their next position
-            return launched
+            return
         self._trail_pos[:n] += active & has_text
         rows = np.flatnonzero(active)
         self.vocoder.add(rows, step.frames)
@@ -690,7 +719,6 @@ class Scheduler:
             self._last_batch = int(rows.size)
             self._last_sat_out = int(decode.sum()) - int(rows.size)
             self._text_waits += self._last_sat_out
-        return launched
 
     def _out_of_pages(self, n: int, active: np.ndarray) -> None:
         """Rows whose next position has no cache page (the page budget is spent, or the device had no
@@ -701,14 +729,18 @@ class Scheduler:
             log.warning("no device memory for the KV cache of %d sessions: ending their turns", rows.size)
             self._out_of_pages_ending += [self._by_slot[slot] for slot in rows]
 
-    def _read_back(self, launched: _Launched) -> list[_Session]:
-        """Send the audio an earlier iteration launched, close the sessions it ended, and take its
-        step's frames; returns the sessions that ended in that step (their slots still held)."""
+    def _send_audio(self, launched: _Launched) -> None:
+        """Send the audio of the windows in `launched`, then the results of the sessions whose last
+        audio that was."""
         for sessions, audio in launched.windows:
             for s, pcm in zip(sessions, audio.wait()):
                 self._emit(s, pcm)
         for s in launched.ending:
             self._close(s, s.reason)
+
+    def _take_step(self, launched: _Launched) -> list[_Session]:
+        """Take the frames of the step in `launched`; returns the sessions that ended in it, or for
+        lack of cache pages (their slots still held)."""
         ended, self._out_of_pages_ending = self._out_of_pages_ending, []
         for s in ended:
             s.reason = "max_frames"
@@ -731,8 +763,8 @@ class Scheduler:
             self._frames_total += rows.size
         return ended
 
-    def _launch_windows(self, ended: list[_Session]) -> None:
-        """Launch the decode of the windows that are due, batched; the sessions that `ended` give
+    def _launch_windows(self, ended: list[_Session], launched: _Launched) -> None:
+        """Launch the decode of the windows that are due, batched, into `launched`; the sessions that `ended` give
         their slots back after their last window, and get their result once its audio is sent.
 
         Sessions that ended, and sessions waiting for text, flush what they have: audio already
@@ -743,10 +775,10 @@ class Scheduler:
         flush[[s.slot for s in ended]] = True
         slots = np.flatnonzero(decode)
         for group, frames in self.vocoder.due(slots, flush[slots], self._step_s):
-            self._launched.windows.append(([self._by_slot[slot] for slot in group], self.vocoder.decode(group, frames)))
+            launched.windows.append(([self._by_slot[slot] for slot in group], self.vocoder.decode(group, frames)))
         for s in ended:
             self._release(s)
-        self._launched.ending += ended
+        launched.ending += ended
 
     def _emit(self, s: _Session, pcm: np.ndarray) -> None:
         if s.closed:          # cancelled while its audio was being made

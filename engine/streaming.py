@@ -4,10 +4,11 @@ Each slot's generated frames wait in a slot-indexed device ring until its window
 first window (time to first audio), then larger ones as far as the listener's buffered audio allows
 (`WindowPolicy`). A finishing session, or one that must wait for text, flushes what it has. Sessions
 due with the same window size are decoded in one batched `VocoderStreams.decode`, whose stateful
-causal decoder makes the concatenated windows equal to one decode of all the frames. An ICL session's stream is primed with its reference codes, so its audio
-equals decoding `ref_codes ++ codes` and dropping the first `T_ref * 1920` samples.
+causal decoder makes the concatenated windows equal to one decode of all the frames. An ICL
+session's stream is primed with its reference codes, so its audio equals decoding
+`ref_codes ++ codes` and dropping the first `T_ref * 1920` samples.
 
-The scheduler runs one step ahead of what it has read back (`engine.scheduler`): a step's frames
+On a GPU the scheduler runs one step ahead of what it has read back (`engine.scheduler`): a step's frames
 are put in the ring when it is launched (`add`), and count toward a window once its result says the
 row made them (`confirm`); a window's audio comes back to the host without waiting (`WindowAudio`).
 
@@ -35,7 +36,8 @@ class WindowPolicy:
     graphs): at `rest`, or earlier when waiting for the next size could let the listener run dry.
     The listener holds the audio sent so far less the time since its first chunk (`held_s`); waiting
     for the next size takes its missing frames at `step_s` each, plus two: the step that runs while
-    the window is decoded, and the way out. So windows grow to `rest` (fewer, fatter vocoder calls) while generation is well
+    the window is decoded (the scheduler sends a window's audio once the next step has run), and
+    the way out. So windows grow to `rest` (fewer, fatter vocoder calls) while generation is well
     ahead of real time and stay small near it: frames made at least as fast as they play never
     leave playback empty.
     """
@@ -130,6 +132,10 @@ class StreamingVocoder:
     def confirm(self, rows: np.ndarray) -> None:
         """The step's result says slots `rows` made the frame `add` put in their rings."""
         self.count[rows] += 1
+
+    def first_window_closes(self, slots: np.ndarray) -> bool:
+        """Whether one more frame closes the first window of a stream among `slots`."""
+        return bool(((self.decoded[slots] == 0) & (self.count[slots] + 1 >= self.policy.first)).any())
 
     def held_s(self, slots: np.ndarray) -> np.ndarray:
         """Seconds of audio each slot's listener still holds, playing from its first chunk on."""

@@ -61,6 +61,13 @@ def voices(golden_npz):
     return out
 
 
+@pytest.fixture(params=[False, True], ids=["sequential", "overlapped"])
+def overlap(request):
+    """The scheduler reading each step back at once (the CPU's default), or while the next one runs
+    (a CUDA device's: the host one step behind)."""
+    return request.param
+
+
 def request(voices, case, sampling=GREEDY, max_frames=31, **kw):
     text, language, ref, icl = CASES[case]
     return SpeechRequest(text, voices[ref + ("_icl" if icl else "")], language, sampling,
@@ -112,10 +119,10 @@ FP32 = 1e-4      # the golden waveform tolerance
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp64-vocoder"])
-def test_golden_cases_stream_exactly(model, model64, voices, golden_npz, precision):
+def test_golden_cases_stream_exactly(model, model64, voices, golden_npz, precision, overlap):
     """Golden cases in one batch: golden codes, golden audio (1e-4), streamed == one-shot decode."""
     m, tol, cases = (model, FP32, list(CASES)) if precision == "fp32" else (model64, EXACT, ["xvec_eos", "icl_en"])
-    with Scheduler(m, 8, keep_codes=True) as sch:
+    with Scheduler(m, 8, overlap=overlap, keep_codes=True) as sch:
         handles = {case: sch.submit(request(voices, case)) for case in cases}
         results = {case: h.collect(60) for case, h in handles.items()}
     for case, (chunks, result) in results.items():
@@ -131,13 +138,13 @@ def test_golden_cases_stream_exactly(model, model64, voices, golden_npz, precisi
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_alone_equals_in_batch_arriving_at_different_frames(model64, voices, sampling):
+def test_alone_equals_in_batch_arriving_at_different_frames(model64, voices, sampling, overlap):
     model = model64
     target = request(voices, "icl_en", sampling, max_frames=20)
-    alone_chunks, alone = run_alone(model, target)
+    alone_chunks, alone = run_alone(model, target, overlap=overlap)
     companions = ["xvec_en", "xvec_eos", "icl_zh", "xvec_auto", "xvec_en", "icl_en", "xvec_eos"]
     arrivals = []
-    with Scheduler(model, 8, keep_codes=True) as sch:
+    with Scheduler(model, 8, overlap=overlap, keep_codes=True) as sch:
         handles = []
         for i, case in enumerate(companions[:3]):
             handles.append(sch.submit(request(voices, case, SamplingParams(seed=i), max_frames=22 - 3 * i)))
@@ -159,14 +166,14 @@ def test_alone_equals_in_batch_arriving_at_different_frames(model64, voices, sam
     np.testing.assert_allclose(audio(chunks), audio(alone_chunks), rtol=0, atol=EXACT)
 
 
-def test_64_concurrent_requests_of_different_lengths(model, voices, golden_npz):
+def test_64_concurrent_requests_of_different_lengths(model, voices, golden_npz, overlap):
     """16 slots, chunked prefill (8 positions per row, 24 per step) and cache pages of 4 positions
     (turns outgrow their reservations): every request gets the first frames of its golden codes
     (greedy), as many as its limit allows, and every page is back on the free list at the end."""
     cases = list(CASES)
     golden = {case: golden_npz(case)["codes_0"] for case in cases}
-    with Scheduler(model, 16, keep_codes=True, window_frames=(1, 4), kv_page_size=4, prefill_chunk=8,
-                   prefill_budget=24) as sch:
+    with Scheduler(model, 16, overlap=overlap, keep_codes=True, window_frames=(1, 4), kv_page_size=4,
+                   prefill_chunk=8, prefill_budget=24) as sch:
         jobs = []
         for i in range(64):
             case, frames = cases[i % len(cases)], (i * 7) % 23
@@ -185,13 +192,13 @@ def test_64_concurrent_requests_of_different_lengths(model, voices, golden_npz):
     assert stats.kv_cache_bytes == cache.bytes_held() > 0
 
 
-def test_text_in_pieces_gives_the_same_codes(model, voices):
+def test_text_in_pieces_gives_the_same_codes(model, voices, overlap):
     whole = request(voices, "xvec_en")
-    expected_chunks, expected = run_alone(model, whole)
+    expected_chunks, expected = run_alone(model, whole, overlap=overlap)
     text = whole.text
     pieces = [text[:1], text[1:4], text[4:12], text[12:13], text[13:27], text[27:]]
     assert "".join(pieces) == text
-    with Scheduler(model, 2, keep_codes=True) as sch:
+    with Scheduler(model, 2, overlap=overlap, keep_codes=True) as sch:
         busy = sch.submit(request(voices, "xvec_auto"))       # keeps steps going while text is missing
         h = sch.submit(SpeechRequest("", whole.voice, whole.language, GREEDY, text_complete=False, max_frames=31))
         for piece in pieces:
@@ -212,8 +219,8 @@ def test_text_in_pieces_gives_the_same_codes(model, voices):
         h.push_text("more")
 
 
-def test_stop_ends_open_requests(model, voices):
-    sch = Scheduler(model, 1).start()
+def test_stop_ends_open_requests(model, voices, overlap):
+    sch = Scheduler(model, 1, overlap=overlap).start()
     waiting_for_text = sch.submit(SpeechRequest("Hello", voices["ref_en"], "english", GREEDY, text_complete=False))
     queued = sch.submit(request(voices, "xvec_en"))
     sch.stop(30)
@@ -224,10 +231,10 @@ def test_stop_ends_open_requests(model, voices):
         sch.submit(request(voices, "xvec_en"))
 
 
-def test_incremental_icl_starts_once_its_prompt_text_is_there(model, voices):
+def test_incremental_icl_starts_once_its_prompt_text_is_there(model, voices, overlap):
     whole = request(voices, "icl_zh")
-    _, expected = run_alone(model, whole)
-    with Scheduler(model, 1, keep_codes=True) as sch:
+    _, expected = run_alone(model, whole, overlap=overlap)
+    with Scheduler(model, 1, overlap=overlap, keep_codes=True) as sch:
         h = sch.submit(SpeechRequest(whole.text[:3], whole.voice, whole.language, GREEDY, text_complete=False,
                                      max_frames=31))
         time.sleep(0.05)
@@ -239,8 +246,8 @@ def test_incremental_icl_starts_once_its_prompt_text_is_there(model, voices):
     np.testing.assert_array_equal(result.codes, expected.codes)
 
 
-def test_cancel_frees_the_slot_within_one_step(model, voices, monkeypatch):
-    with Scheduler(model, 2, keep_codes=True) as sch:
+def test_cancel_frees_the_slot_within_one_step(model, voices, monkeypatch, overlap):
+    with Scheduler(model, 2, overlap=overlap, keep_codes=True) as sch:
         closed_at = {}
         close = sch._close
 
@@ -270,11 +277,11 @@ def test_cancel_frees_the_slot_within_one_step(model, voices, monkeypatch):
         assert r.reason == "cancelled" and r.frames == 0 and sch.stats().queued == 0
 
 
-def test_out_of_memory_mid_step_is_recovered(model, voices, golden_npz, monkeypatch):
+def test_out_of_memory_mid_step_is_recovered(model, voices, golden_npz, monkeypatch, overlap):
     cases = ["xvec_en", "icl_en", "xvec_eos", "icl_zh"]
     failing = {"talker": {2, 3, 9, 10, 11, 12, 20}, "predictor": {5, 14}, "vocoder": {1, 4, 5}}
     inject_out_of_memory(monkeypatch, model, failing)
-    with Scheduler(model, 4, keep_codes=True, oom_defer_iterations=1) as sch:
+    with Scheduler(model, 4, overlap=overlap, keep_codes=True, oom_defer_iterations=1) as sch:
         handles = [sch.submit(request(voices, c)) for c in cases]
         results = [h.collect(60) for h in handles]
         assert sch.stats().oom_recoveries == sum(len(f) for f in failing.values())
@@ -309,10 +316,10 @@ def test_admissions_wait_for_cache_room(model, voices, golden_npz):
         assert result.reason == "error" and "does not fit in the KV cache" in result.error
 
 
-def test_a_turn_that_outgrows_a_full_cache_ends_with_its_audio(model, voices, golden_npz):
+def test_a_turn_that_outgrows_a_full_cache_ends_with_its_audio(model, voices, golden_npz, overlap):
     """A turn that runs past its reservation when the page budget is spent ends as at its frame
     limit after the retries, with every frame it made delivered, and its pages come back."""
-    with Scheduler(model, 1, keep_codes=True, kv_page_size=4, frames_per_token=0.0, frame_margin=2,
+    with Scheduler(model, 1, overlap=overlap, keep_codes=True, kv_page_size=4, frames_per_token=0.0, frame_margin=2,
                    oom_defer_iterations=1) as sch:
         cache = sch.runner.cache
         cache.max_pages = 8
@@ -324,20 +331,20 @@ def test_a_turn_that_outgrows_a_full_cache_ends_with_its_audio(model, voices, go
     check_stream(chunks, result)
 
 
-def test_async_iteration_and_limits(model, voices):
+def test_async_iteration_and_limits(model, voices, overlap):
     async def speak(sch):
         h = sch.submit(request(voices, "xvec_eos", SEEDED, max_frames=7))
         items = [item async for item in h]
         return h, items
 
-    with Scheduler(model, 2, window_frames=(1, 3)) as sch:
+    with Scheduler(model, 2, overlap=overlap, window_frames=(1, 3)) as sch:
         h, items = asyncio.run(speak(sch))
     assert all(isinstance(i, AudioChunk) for i in items[:-1]) and isinstance(items[-1], TurnResult)
     check_stream(items[:-1], items[-1], window=(1, 3))
     assert items[-1].frames == 7 and items[-1].codes is None
     assert h.id
 
-    idle = Scheduler(model, 1, max_queue=2)      # not started: submissions just queue
+    idle = Scheduler(model, 1, overlap=overlap, max_queue=2)      # not started: submissions just queue
     for _ in range(3):                           # one for the free slot, two waiting
         idle.submit(request(voices, "xvec_en"))
     with pytest.raises(Overloaded):
@@ -348,22 +355,23 @@ def test_async_iteration_and_limits(model, voices):
         idle.submit(SpeechRequest("", voices["ref_en"]))
 
 
-def test_a_slow_iteration_is_logged_with_its_phases(model, voices, caplog):
+def test_a_slow_iteration_is_logged_with_its_phases(model, voices, caplog, overlap):
     """An iteration longer than `slow_iteration_s` (here a vocoder window made slow) is logged with the
     time of each phase, and the turn still completes."""
-    with Scheduler(model, 2, slow_iteration_s=0.15) as sch:
-        launch_windows = sch._launch_windows
+    with Scheduler(model, 2, overlap=overlap, slow_iteration_s=0.15) as sch:
+        launch_windows, slowed = sch._launch_windows, []
 
-        def slow_launch_windows(ended):
-            if sch.stats().steps == 3:
+        def slow_launch_windows(ended, launched):
+            if sch.stats().steps >= 3 and not slowed:
+                slowed.append(True)
                 time.sleep(0.3)
-            launch_windows(ended)
+            launch_windows(ended, launched)
         sch._launch_windows = slow_launch_windows
         with caplog.at_level("WARNING", logger="engine.scheduler"):
             chunks, result = sch.submit(request(voices, "xvec_en", max_frames=8)).collect(60)
     assert result.reason == "max_frames" and result.frames == 8
     slow = [r.getMessage() for r in caplog.records if "slow engine iteration" in r.getMessage()]
-    this = [m for m in slow if float(m.split("vocoder launch ")[1].split(" ms")[0]) >= 290]
+    this = [m for m in slow if float(m.split("vocoder launch ")[1].split(",")[0].split(" ms")[0]) >= 290]
     assert len(this) == 1 and "1 decoding" in this[0] and "0 Triton kernels compiled" in this[0], slow
 
 
@@ -400,3 +408,19 @@ def test_a_burst_of_chunks_wakes_the_readers_loop_once():
     received, wakeups = asyncio.run(main())
     assert all(r == [0, 1, 2] for r in received.values())
     assert wakeups == 3
+
+
+def test_a_first_window_goes_to_the_device_ahead_of_the_next_step(model, voices):
+    """Overlapped, the step in flight that closes a session's first window is read back before the
+    next step is launched: the first window's decode comes right after its two frames' steps (time
+    to first audio is not one step longer), and later windows follow the step after them."""
+    calls = []
+    with Scheduler(model, 1, overlap=True) as sch:
+        step, decode = sch.runner.step, sch.vocoder.decode
+        sch.runner.step = lambda *a: (calls.append("step"), step(*a))[1]
+        sch.vocoder.decode = lambda slots, frames: (calls.append(f"window {frames}"), decode(slots, frames))[1]
+        chunks, result = sch.submit(request(voices, "xvec_en", max_frames=12)).collect(60)
+    assert result.frames == 12 and [c.pcm.shape[0] // SPF for c in chunks][0] == 2
+    assert calls[:3] == ["step", "step", "window 2"]
+    # frames 2 and 3 (steps 3 and 4) close the next window, read back while step 5 runs
+    assert calls[3:7] == ["step", "step", "step", "window 2"]
