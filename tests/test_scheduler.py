@@ -9,6 +9,7 @@ audio is held to the golden tolerance, 1e-4.
 """
 import asyncio
 import copy
+import random
 import threading
 import time
 
@@ -424,3 +425,63 @@ def test_a_first_window_goes_to_the_device_ahead_of_the_next_step(model, voices)
     assert calls[:3] == ["step", "step", "window 2"]
     # frames 2 and 3 (steps 3 and 4) close the next window, read back while step 5 runs
     assert calls[3:7] == ["step", "step", "step", "window 2"]
+
+
+def test_random_traffic_gives_each_session_its_own_audio(model64, voices, overlap):
+    """Sessions arriving at random moments, some with their text in pieces, some cancelled after a
+    few chunks, ending on EOS or at random frame limits, 6 slots for 20 turns: each gets the codes it
+    makes alone (seeded sampling is batch-invariant), chunks that tile its turn, and the audio of its
+    codes (fp64 vocoder: exact); a cancelled one gets a prefix of that."""
+    rng = random.Random(5)
+    plans = []
+    for i in range(20):
+        case = "xvec_eos" if i % 5 == 0 else rng.choice(list(CASES))    # greedy, it ends on EOS after 18
+        sampling = GREEDY if i % 5 == 0 else SamplingParams(seed=50 + i, temperature=0.8)
+        req = request(voices, case, sampling, max_frames=24 if i % 5 == 0 else rng.randint(0, 24))
+        plans.append((req, rng.choice([1, 1, 3]), rng.choice([None, None, None, 1, 3]), rng.uniform(0, 0.05)))
+    alone = [run_alone(model64, req) for req, *_ in plans]
+    received = [None] * len(plans)
+
+    def listen(i, h, cancel_after):
+        chunks = []
+        while True:
+            item = h.get(60)
+            if isinstance(item, TurnResult):
+                received[i] = (chunks, item)
+                return
+            chunks.append(item)
+            if len(chunks) == cancel_after:
+                h.cancel()
+
+    with Scheduler(model64, 6, overlap=overlap, keep_codes=True, window_frames=(1, 4)) as sch:
+        listeners = []
+        for i, (req, pieces, cancel_after, pause) in enumerate(plans):
+            time.sleep(pause)
+            if pieces == 1:
+                h = sch.submit(req)
+            else:
+                h = sch.submit(SpeechRequest("", req.voice, req.language, req.sampling, text_complete=False,
+                                             max_frames=req.max_frames))
+            listeners.append(threading.Thread(target=listen, args=(i, h, cancel_after)))
+            listeners[-1].start()
+            if pieces > 1:
+                cuts = sorted(rng.sample(range(1, len(req.text)), pieces - 1))
+                for a, b in zip([0, *cuts], [*cuts, len(req.text)]):
+                    h.push_text(req.text[a:b])
+                    time.sleep(0.01)
+                h.finish_text()
+        for t in listeners:
+            t.join(120)
+        assert sch.stats().active == 0 and sch.runner.cache.pages_in_use == 0
+    for (req, _, cancel_after, _), (chunks, result), (alone_chunks, expected) in zip(plans, received, alone):
+        if result.reason == "cancelled":
+            assert cancel_after is not None and result.frames <= expected.frames
+            np.testing.assert_array_equal(result.codes, expected.codes[:result.frames])
+            assert result.samples == sum(c.pcm.shape[0] for c in chunks) <= result.frames * SPF
+            np.testing.assert_allclose(audio(chunks), audio(alone_chunks)[:result.samples], rtol=0, atol=EXACT)
+            continue
+        assert (result.reason, result.frames) == (expected.reason, expected.frames)
+        np.testing.assert_array_equal(result.codes, expected.codes)
+        check_stream(chunks, result, window=None)
+        np.testing.assert_allclose(audio(chunks), audio(alone_chunks), rtol=0, atol=EXACT)
+    assert {r.reason for _, r in received} == {"eos", "max_frames", "cancelled"}
