@@ -194,6 +194,9 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise ModelFolderError("code predictor hidden size differs from the talker's "
                                "(small_to_mtp_projection models such as 1.7B are not supported yet)")
     speaker = _pick(SpeakerConfig, _tupled(top.get("speaker_encoder_config", {})))
+    if speaker.enc_dim != talker.transformer.hidden_size:
+        raise ModelFolderError(f"speaker encoder dimension {speaker.enc_dim} differs from the talker's hidden size "
+                               f"{talker.transformer.hidden_size} (the x-vector takes one prompt position)")
     gen_path = model_dir / "generation_config.json"
     generation = _pick(GenerationDefaults, read_json(gen_path)) if gen_path.is_file() else GenerationDefaults()
     st = read_json(model_dir / "speech_tokenizer" / "config.json")

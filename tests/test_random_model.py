@@ -4,7 +4,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from engine.config import load_config
+from engine.config import ModelFolderError, load_config
 from engine.loader import load_model
 from engine.requests import SamplingParams, SpeechRequest
 from engine.synth import synthesize
@@ -72,3 +72,43 @@ def test_06b_preset_has_the_real_sizes(tmp_path):
     assert cfg.decoder.hidden_size == 512 and cfg.encoder.num_quantizers == 32
     with pytest.raises(ValueError, match="unknown preset"):
         random_model.build("7b", 0, tmp_path / "x")
+
+
+# Other sizes than the golden model's: a wider talker (3 layers, 4 heads of 16, 2 KV heads), text
+# embeddings of 48, a predictor of 2 layers with heads of 24, a wider vocoder (2 transformer layers).
+OTHER_SIZES = {
+    "config.json": {"speaker_encoder_config": {"enc_dim": 64}, "talker_config": {
+        "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 3,
+        "intermediate_size": 128, "text_hidden_size": 48,
+        "code_predictor_config": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "head_dim": 24, "num_hidden_layers": 2, "intermediate_size": 80}}},
+    "speech_tokenizer/config.json": {"decoder_config": {
+        "latent_dim": 48, "decoder_dim": 96, "hidden_size": 48, "head_dim": 24, "num_hidden_layers": 2,
+        "intermediate_size": 96, "codebook_dim": 32, "vector_quantization_hidden_dimension": 32}},
+}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
+def test_a_model_of_other_sizes_streams_what_it_synthesizes(tmp_path, overlap):
+    """The engine takes every size from the folder's configs: a model unlike the golden one streams,
+    x-vector and ICL, the codes and audio of the one-shot synthesis."""
+    from engine.scheduler import Scheduler
+    model = load_model(random_model.build("tiny", 1, tmp_path / "m", overrides=OTHER_SIZES))
+    assert model.config.talker.transformer.num_hidden_layers == 3 and model.config.decoder.latent_dim == 48
+    ref = np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1
+    for voice in (model.make_voice(ref, 24000), model.make_voice(ref, 24000, "A reference transcript.")):
+        request = SpeechRequest("Hello there, a model of other sizes.", voice, "english",
+                                SamplingParams(greedy=True), max_frames=10)
+        expected = synthesize(model, [request])[0]
+        with Scheduler(model, 3, keep_codes=True, overlap=overlap) as sch:
+            chunks, result = sch.submit(request).collect(60)
+        np.testing.assert_array_equal(result.codes, expected.codes)
+        wav = np.concatenate([c.pcm for c in chunks])
+        assert wav.shape[0] == result.frames * 1920 > 0
+        np.testing.assert_allclose(wav, expected.wav[-wav.shape[0]:], rtol=0, atol=1e-4)
+
+
+def test_a_speaker_encoder_unlike_the_talker_is_refused(tmp_path):
+    random_model.copy_configs("tiny", tmp_path, {"config.json": {"speaker_encoder_config": {"enc_dim": 48}}})
+    with pytest.raises(ModelFolderError, match="speaker encoder dimension 48"):
+        load_config(tmp_path)

@@ -17,6 +17,7 @@ so the folder has the official tensor names and shapes.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -35,14 +36,28 @@ PRESETS = ("tiny", "0.6b")
 PEAK = 0.5
 
 
-def copy_configs(preset: str, out: Path) -> None:
-    """The preset's config.json files plus the files common to both presets, in the HF layout."""
+def copy_configs(preset: str, out: Path, overrides: dict[str, dict] | None = None) -> None:
+    """The preset's config.json files plus the files common to both presets, in the HF layout;
+    `overrides` maps a config file's relative path to values merged into it (nested dicts merge)."""
     for src_root in (CONFIGS / "common", CONFIGS / preset):
         for src in src_root.rglob("*"):
             if src.is_file():
                 dst = out / src.relative_to(src_root)
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src, dst)
+    for name, values in (overrides or {}).items():
+        path = out / name
+        config = json.loads(path.read_text())
+        _merge(config, values)
+        path.write_text(json.dumps(config, indent=2))
+
+
+def _merge(into: dict, values: dict) -> None:
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 @torch.no_grad()
@@ -91,13 +106,14 @@ def _calibrate_vocoder(vocoder: Vocoder, codebook_size: int, frames: int = 24) -
     last.conv.bias.mul_(scale)
 
 
-def build(preset: str, seed: int, out: str | Path, bf16: bool = False) -> Path:
-    """Write the random folder `out` for `preset`; returns its path."""
+def build(preset: str, seed: int, out: str | Path, bf16: bool = False, overrides: dict[str, dict] | None = None) -> Path:
+    """Write the random folder `out` for `preset` (its configs changed by `overrides`, as
+    `copy_configs` takes them: other sizes for tests); returns its path."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    copy_configs(preset, out)
+    copy_configs(preset, out, overrides)
     config = load_config(out)
     torch.manual_seed(seed)
     talker = Talker(config.talker, config.predictor)
