@@ -741,7 +741,8 @@ class Scheduler:
     def _take_step(self, launched: _Launched) -> list[_Session]:
         """Take the frames of the step in `launched`; returns the sessions that ended in it, or for
         lack of cache pages (their slots still held)."""
-        ended, self._out_of_pages_ending = self._out_of_pages_ending, []
+        ended = [s for s in self._out_of_pages_ending if not s.closed]   # (a cancel may have come between)
+        self._out_of_pages_ending = []
         for s in ended:
             s.reason = "max_frames"
         if launched.step is None:
