@@ -203,6 +203,9 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     decoder = _pick(DecoderConfig, _tupled(st.get("decoder_config", {})))
     encoder = _pick(EncoderConfig, _tupled(st.get("encoder_config", {})),
                     valid_num_quantizers=st.get("encoder_valid_num_quantizers", 16))
+    if decoder.num_quantizers != talker.num_code_groups:
+        raise ModelFolderError(f"the talker makes {talker.num_code_groups} codes a frame but the speech tokenizer's "
+                               f"decoder reads {decoder.num_quantizers}")
     token_ids = {k: top[k] for k in ("im_start_token_id", "im_end_token_id", "tts_pad_token_id",
                                      "tts_bos_token_id", "tts_eos_token_id") if k in top}
     return ModelConfig(talker=talker, predictor=predictor, speaker=speaker, decoder=decoder,

@@ -207,7 +207,7 @@ class VocoderGraphs:
         self.batch_buckets = sorted({b for b in (batch_buckets or DEFAULT_BATCH_BUCKETS) if b < top} | {top})
         device = streams.frames.device
         self.slots = torch.full((top,), streams.pad_slot, dtype=torch.long, device=device)   # a replay's inputs
-        self.codes = torch.zeros(top, max(self.windows), 16, dtype=torch.long, device=device)
+        self.codes = torch.zeros(top, max(self.windows), streams.vocoder.num_codebooks, dtype=torch.long, device=device)
         self.pool = pool or torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 

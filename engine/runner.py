@@ -56,12 +56,12 @@ class LaunchedStep:
     host once the device has run it."""
 
     def __init__(self, packed: torch.Tensor):
-        self.frames = packed[:, :16]    # [n, 16] on the device, valid until the next step
+        self.frames = packed[:, :-2]    # [n, 16] on the device, valid until the next step
         self._host = ToHost(packed)
 
     def result(self) -> StepResult:
         packed = self._host.wait().clone()    # kept codes must not pin the transfer buffer
-        return StepResult(packed[:, :16], packed[:, 16].numpy(), packed[:, 17].numpy().astype(bool))
+        return StepResult(packed[:, :-2], packed[:, -2].numpy(), packed[:, -1].numpy().astype(bool))
 
 
 class ModelRunner:

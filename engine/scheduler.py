@@ -804,7 +804,8 @@ class Scheduler:
                 self._queued -= 1
         codes = None
         if self.keep_codes:
-            codes = (torch.stack(s.codes).numpy() if s.codes else np.zeros((0, 16), dtype=np.int64))
+            codes = (torch.stack(s.codes).numpy() if s.codes
+                     else np.zeros((0, self.model.config.talker.num_code_groups), dtype=np.int64))
         s.outbox.put(TurnResult(reason, s.frames, s.samples, s.queue_ms, s.ttfa_ms, error, codes))
 
     def _release(self, s: _Session) -> None:

@@ -112,3 +112,9 @@ def test_a_speaker_encoder_unlike_the_talker_is_refused(tmp_path):
     random_model.copy_configs("tiny", tmp_path, {"config.json": {"speaker_encoder_config": {"enc_dim": 48}}})
     with pytest.raises(ModelFolderError, match="speaker encoder dimension 48"):
         load_config(tmp_path)
+
+
+def test_a_codec_unlike_the_talker_is_refused(tmp_path):
+    random_model.copy_configs("tiny", tmp_path, {"speech_tokenizer/config.json": {"decoder_config": {"num_quantizers": 8}}})
+    with pytest.raises(ModelFolderError, match="makes 16 codes a frame but the speech tokenizer's decoder reads 8"):
+        load_config(tmp_path)

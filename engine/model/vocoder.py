@@ -293,6 +293,7 @@ class Vocoder(nn.Module):
             CausalConv1d(dims[-1], 1, 7),
         ])
         self.samples_per_frame = math.prod(cfg.upsampling_ratios) * math.prod(cfg.upsample_rates)
+        self.num_codebooks = cfg.num_quantizers
 
     def initial_context(self, batch: int, device=None, dtype=None) -> dict:
         """Zero left context of every op that has one: the state of a stream before its first frame."""
