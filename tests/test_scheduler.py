@@ -485,3 +485,22 @@ def test_random_traffic_gives_each_session_its_own_audio(model64, voices, overla
         check_stream(chunks, result, window=None)
         np.testing.assert_allclose(audio(chunks), audio(alone_chunks), rtol=0, atol=EXACT)
     assert {r.reason for _, r in received} == {"eos", "max_frames", "cancelled"}
+
+
+def test_an_icl_voice_is_primed_once_and_copied_after(model64, voices):
+    """The vocoder stream of an ICL voice is primed by decoding its reference once; later sessions
+    with the same voice (together, or in a later iteration) start from a copy of that state and get
+    exactly the audio of their codes decoded after the reference."""
+    voice = voices["ref_en_icl"]
+    t_ref = voice.ref_codes.shape[0]
+    with Scheduler(model64, 4, keep_codes=True) as sch:
+        widths = []
+        decode = sch.vocoder.streams.decode
+        sch.vocoder.streams.decode = lambda slots, codes: (widths.append(codes.shape[1]), decode(slots, codes))[1]
+        first = [sch.submit(request(voices, "icl_en", SamplingParams(seed=i), max_frames=6)) for i in range(2)]
+        results = [h.collect(60) for h in first]
+        results.append(sch.submit(request(voices, "icl_en", SamplingParams(seed=2), max_frames=6)).collect(60))
+    assert widths.count(t_ref) == 1 and t_ref > 8       # the only window of the reference's length
+    for chunks, result in results:
+        assert result.frames == 6
+        np.testing.assert_allclose(audio(chunks), one_shot(model64, result.codes, voice), rtol=0, atol=EXACT)

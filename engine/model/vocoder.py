@@ -380,6 +380,17 @@ class VocoderStreams:
         self.frames.index_copy_(0, slots, start + codes.shape[1])
         return wav.float()
 
+    def snapshot(self, slot: int) -> tuple[dict, torch.Tensor]:
+        """A copy of stream `slot`'s state: every op's context, and its frame count."""
+        return {op: buf[slot].clone() for op, buf in self.context.items()}, self.frames[slot].clone()
+
+    def restore(self, slots: torch.Tensor, snapshot: tuple[dict, torch.Tensor]) -> None:
+        """Streams `slots` continue from a `snapshot`'s state."""
+        contexts, frames = snapshot
+        for op, buf in self.context.items():
+            buf[slots] = contexts[op]
+        self.frames[slots] = frames
+
     def prime(self, slots: torch.Tensor, context_codes: torch.Tensor) -> None:
         """Start streams from context frames (an ICL session's reference codes [B, T_ref, 16]):
         reset, decode them to fill the state, discard their audio. Rows share T_ref; prime ragged
