@@ -135,7 +135,7 @@ class StreamingVocoder:
             self._decode(self._index([s for s, _ in group]), to_device(torch.stack([r for _, r in group]), self.device))
         for key, (s, r) in unprimed.items():
             self._primed[key] = self.streams.snapshot(s)
-            weakref.finalize(r, self._primed.pop, key, None)
+            weakref.finalize(r, _forget_primed, weakref.ref(self), key)
         for s, r in copies:
             self.streams.restore(self._index([s]), self._primed[id(r)])
 
@@ -200,6 +200,13 @@ class StreamingVocoder:
 
     def _index(self, values) -> torch.Tensor:
         return to_device(np.asarray(values, dtype=np.int64), self.device)
+
+
+def _forget_primed(vocoder_ref: weakref.ref, key: int) -> None:
+    """A voice's reference codes are gone: so is its primed state (the vocoder is not kept alive)."""
+    vocoder = vocoder_ref()
+    if vocoder is not None:
+        vocoder._primed.pop(key, None)
 
 
 def release_cached_memory() -> None:
