@@ -30,7 +30,7 @@ import torch
 
 from .config import ModelConfig
 from .host import to_device
-from .requests import VoicePrompt
+from .requests import PerVoice, VoicePrompt
 from .text import ROLE_PREFIX
 
 LANGUAGE_ALIASES = {"en": "english", "zh": "chinese", "es": "spanish", "fr": "french", "de": "german",
@@ -67,6 +67,7 @@ class PromptBuilder:
             role = self._ids(tokenizer.encode(ROLE_PREFIX))                                    # ids[:3]
             self.role = talker.embed_text(role[None])[0]                                      # [3, D]
             self.codec_pad_bos = talker.embed_codec(self._ids([t.codec_pad_id, t.codec_bos_id]))  # [2, D]
+        self._heads = PerVoice()     # x-vector -> {language: head}: a quarter of a prompt's launches
 
     def _ids(self, ids) -> torch.Tensor:
         return to_device(ids, self.device, torch.long)
@@ -87,8 +88,17 @@ class PromptBuilder:
 
     def _head(self, language: str, xvector: torch.Tensor) -> torch.Tensor:
         """role ++ (tts_pad*(L-2), tts_bos) + C[:-1]: the 8 ('auto') or 9 positions before the text."""
-        t = self.config.talker
         name = resolve_language(language, self.config)
+        heads = self._heads.get(xvector)
+        if heads is None:
+            heads = {}
+            self._heads.put(xvector, heads)
+        if name not in heads:
+            heads[name] = self._new_head(name, xvector)
+        return heads[name]
+
+    def _new_head(self, name: str, xvector: torch.Tensor) -> torch.Tensor:
+        t = self.config.talker
         prefix = ([t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id] if name == "auto" else
                   [t.codec_think_id, t.codec_think_bos_id, t.codec_language_id[name], t.codec_think_eos_id])
         spk = to_device(xvector, self.device).to(self.tts_pad.dtype).reshape(1, -1)

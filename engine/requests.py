@@ -5,8 +5,9 @@ server builds a `SpeechRequest`, submits it, and reads `AudioChunk`s until a `Tu
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -44,6 +45,32 @@ class VoicePrompt:
     @property
     def icl(self) -> bool:
         return self.ref_codes is not None
+
+
+class PerVoice:
+    """Values the engine derives from one of a voice's tensors (its x-vector, its reference codes),
+    kept while that tensor lives: a server speaks many turns with a few registered voices, whose
+    prompt head and primed vocoder state need computing once. Keyed by the tensor's identity."""
+
+    def __init__(self):
+        self._values: dict[int, Any] = {}
+
+    def get(self, tensor: torch.Tensor) -> Any:
+        return self._values.get(id(tensor))
+
+    def put(self, tensor: torch.Tensor, value: Any) -> None:
+        self._values[id(tensor)] = value
+        weakref.finalize(tensor, PerVoice._forget, weakref.ref(self), id(tensor))
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @staticmethod
+    def _forget(cache_ref: weakref.ref, key: int) -> None:
+        """The tensor is gone: so is its value (and the cache is not kept alive by the tensor)."""
+        cache = cache_ref()
+        if cache is not None:
+            cache._values.pop(key, None)
 
 
 @dataclass

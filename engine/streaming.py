@@ -18,7 +18,6 @@ state carries over, so the audio is the same).
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +25,7 @@ import torch
 
 from .host import ToHost, to_device
 from .model.vocoder import VocoderStreams
+from .requests import PerVoice
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class StreamingVocoder:
         self.decoded = np.zeros(max_streams, dtype=np.int64)   # frames already turned into audio
         self.started = np.zeros(max_streams)                   # time.monotonic() of the first audio
         self.graphs = None                                       # engine.graphs.VocoderGraphs once enabled
-        self._primed: dict[int, tuple] = {}    # id(reference codes) -> primed stream state, while they live
+        self._primed = PerVoice()             # reference codes -> the stream state they prime
 
     def use_cuda_graphs(self, pool=None, max_batch: int | None = None) -> None:
         """Replay the window decodes of the policy's window sizes from CUDA graphs (from the memory
@@ -124,7 +124,7 @@ class StreamingVocoder:
         for s, r in zip(slots, ref_codes):
             if r is None:
                 continue
-            if id(r) in self._primed or id(r) in unprimed:
+            if self._primed.get(r) is not None or id(r) in unprimed:
                 copies.append((s, r))
             else:
                 unprimed[id(r)] = (s, r)
@@ -133,11 +133,10 @@ class StreamingVocoder:
             by_length.setdefault(r.shape[0], []).append((s, r))
         for group in by_length.values():   # one decode per reference length; the audio is dropped
             self._decode(self._index([s for s, _ in group]), to_device(torch.stack([r for _, r in group]), self.device))
-        for key, (s, r) in unprimed.items():
-            self._primed[key] = self.streams.snapshot(s)
-            weakref.finalize(r, _forget_primed, weakref.ref(self), key)
+        for s, r in unprimed.values():
+            self._primed.put(r, self.streams.snapshot(s))
         for s, r in copies:
-            self.streams.restore(self._index([s]), self._primed[id(r)])
+            self.streams.restore(self._index([s]), self._primed.get(r))
 
     def add(self, rows: np.ndarray, frames: torch.Tensor) -> None:
         """Put frames[rows] (one frame each, [n, 16] on the device, from a step just launched) in the
@@ -200,13 +199,6 @@ class StreamingVocoder:
 
     def _index(self, values) -> torch.Tensor:
         return to_device(np.asarray(values, dtype=np.int64), self.device)
-
-
-def _forget_primed(vocoder_ref: weakref.ref, key: int) -> None:
-    """A voice's reference codes are gone: so is its primed state (the vocoder is not kept alive)."""
-    vocoder = vocoder_ref()
-    if vocoder is not None:
-        vocoder._primed.pop(key, None)
 
 
 def release_cached_memory() -> None:

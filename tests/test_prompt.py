@@ -133,3 +133,23 @@ def test_icl_long_text_and_incremental(setup, golden_npz):
     assert short.embeds.shape[0] == 9 + lc and short.trailing.shape[0] == 0
     ns = builder.build(ids, voice, "English", non_streaming=True)
     assert ns.embeds.shape[0] == 9 + lt + lc and ns.trailing.shape[0] == 0
+
+
+def test_a_voices_head_is_made_once_per_language_and_forgotten_with_it(setup, monkeypatch):
+    """Prompts of one voice reuse its head per language (the same positions as a fresh one); the
+    cached heads go when the voice's x-vector does."""
+    import gc
+    cfg, tok, builder = setup
+    fresh = PromptBuilder(builder.talker, cfg, tok)
+    voice = VoicePrompt(torch.randn(cfg.talker.transformer.hidden_size))
+    made = []
+    new_head = fresh._new_head
+    monkeypatch.setattr(fresh, "_new_head", lambda *a: (made.append(a[0]), new_head(*a))[1])
+    ids = tok.text_ids("Hello world, twice over.")
+    prompts = [fresh.build(ids, voice, language) for language in ("english", "english", "chinese", "en")]
+    assert made == ["english", "chinese"]
+    torch.testing.assert_close(prompts[1].embeds, builder.build(ids, voice, "english").embeds, rtol=0, atol=0)
+    assert len(fresh._heads) == 1
+    del voice, prompts
+    gc.collect()
+    assert len(fresh._heads) == 0
