@@ -37,8 +37,9 @@ class WindowPolicy:
     graphs): at `rest`, or earlier when waiting for the next size could let the listener run dry.
     The listener holds the audio sent so far less the time since its first chunk (`held_s`); waiting
     for the next size takes its missing frames at `step_s` each, plus two: the step that runs while
-    the window is decoded (the scheduler sends a window's audio once the next step has run), and
-    the way out. So windows grow to `rest` (fewer, fatter vocoder calls) while generation is well
+    the window is decoded (a scheduler overlapping the host with the GPU sends a window's audio once
+    the next step has run; reading back at once, on the CPU, it is one frame of slack), and the way
+    out. So windows grow to `rest` (fewer, fatter vocoder calls) while generation is well
     ahead of real time and stay small near it: frames made at least as fast as they play never
     leave playback empty.
     """

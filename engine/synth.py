@@ -64,7 +64,8 @@ def synthesize(model, requests: list[SpeechRequest]) -> list[SynthResult]:
             frames[i].append(out.frames[i])
             status[i] = int(out.status[i])
         k += 1
-    codes = [torch.stack(f) if f else torch.zeros(0, 16, dtype=torch.long) for f in frames]
+    groups = model.config.talker.num_code_groups
+    codes = [torch.stack(f) if f else torch.zeros(0, groups, dtype=torch.long) for f in frames]
     wavs = decode(model, codes, [r.voice.ref_codes if r.voice.icl else None for r in requests])
     return [SynthResult(c.numpy(), w, REASONS[s]) for c, w, s in zip(codes, wavs, status)]
 
