@@ -6,7 +6,9 @@
   streaming decode of the same frames;
 - a scheduler turn with every graph on against the same turn with none (greedy codes, audio);
 - a greedy turn before and after the KV cache's pages were handed back and taken again elsewhere;
-- the sampling kernel (Gumbel noise hashed in the kernel) against the plain ops' draws.
+- the sampling kernel (Gumbel noise hashed in the kernel) against the plain ops' draws;
+- a sampled scheduler turn with the decode kernels launched as programmatic dependents against the
+  same turn launched plainly (`kernels.PDL`): the same kernels, so the same codes, bit for bit.
 Each check prints a RESULT row with its errors and `ok`; the exit status is 1 if any is not ok.
 
     python -m bench.gpu_checks --model-dir /tmp/rand06b
@@ -145,6 +147,30 @@ def fused_sampling_vs_plain(model) -> dict:
     return dict(check="fused_sampling_vs_plain", same_ids=same / total, ok=same == total)
 
 
+def dependent_launch_vs_plain(model) -> dict:
+    """A seeded, sampled turn through the scheduler's graphs with `kernels.PDL` on and off. A kernel
+    that read its predecessor's output before waiting for it would show as different codes."""
+    from engine.model import kernels
+    voice = model.make_voice(np.random.default_rng(2).standard_normal(48000).astype(np.float32) * 0.1, 24000)
+    out, pdl = {}, kernels.PDL
+    try:
+        for on in (True, False):
+            kernels.PDL = on
+            with Scheduler(model, 4, keep_codes=True) as s:
+                h = s.submit(SpeechRequest(text="Kernels launched while the one before still runs.", voice=voice,
+                                           language="english", max_frames=40,
+                                           sampling=SamplingParams(seed=7, min_new_tokens=40)))
+                chunks, result = h.collect(timeout=300)
+                out[on] = (result.codes, np.concatenate([c.pcm for c in chunks]))
+    finally:
+        kernels.PDL = pdl
+    equal = out[True][0].shape == out[False][0].shape and bool((out[True][0] == out[False][0]).all())
+    # the vocoder launches plainly either way (its graphs may take other cuDNN algorithms: not bit for bit)
+    pcm_diff = float(np.abs(out[True][1] - out[False][1]).max()) if equal else float("inf")
+    return dict(check="dependent_launch_vs_plain", frames=int(out[True][0].shape[0]), codes_equal=equal,
+                pcm_max_abs_diff=round(pcm_diff, 5), ok=equal and pcm_diff < 0.05)
+
+
 @torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -155,7 +181,7 @@ def main() -> int:
     model = load_model(args.model_dir, device="cuda", dtype=getattr(torch, args.dtype))
     ok = True
     for check in (prefill_graph_vs_eager, vocoder_runs_vs_eager, scheduler_graphs_vs_eager, kv_pages_come_and_go,
-                  fused_sampling_vs_plain):
+                  fused_sampling_vs_plain, dependent_launch_vs_plain):
         row = {"peer": "qwen3-tts-server", "kind": "gpu_check", "dtype": args.dtype, **check(model)}
         ok &= row["ok"]
         emit(row, args.out)

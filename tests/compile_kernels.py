@@ -18,6 +18,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 
 
 def build(fn, types: dict, constants: dict, **options) -> None:
+    if "PDL" in fn.arg_names:       # the decode-path kernels: compiled as the GPU launches them (kernels._pdl)
+        constants = dict(constants, PDL=True)
     signature = {name: ("constexpr" if name in constants else types[name]) for name in fn.arg_names}
     compile(ASTSource(fn, signature, constants), target=TARGET, options=options or None)
     print("compiled", fn.__name__, constants, options, flush=True)

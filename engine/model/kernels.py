@@ -17,10 +17,17 @@
   addmm (which first copies the residual: 10 kernels a layer).
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
   plain ops, 16 times a frame, plus ~20 for the seeded noise; `sample_rows` is one, noise included.
+- Even at 5 kernels a layer a one-row step is ~750 kernels of a few microseconds, each paying a launch
+  gap after the one before. On Hopper and later the decode path's kernels are launched as programmatic
+  dependents (`PDL`): the GPU starts each while the one before still runs, and it waits
+  (griddepcontrol.wait) before reading or writing anything.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
 The tests run the Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +59,22 @@ def _count_compiles() -> None:
 
 if triton is not None:
     _count_compiles()
+
+# Programmatic dependent launch of the decode path's kernels (see above); QWEN3_TTS_PDL=0 turns it off.
+PDL = os.environ.get("QWEN3_TTS_PDL", "1") != "0"
+
+
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _pdl(x: torch.Tensor) -> dict:
+    """Launch options of a decode-path kernel for data on x's device: the `PDL` constexpr (the kernel
+    waits for its predecessor first) and Triton's `launch_pdl`, on a GPU that has them."""
+    if PDL and x.is_cuda and _pdl_capable(x.device):
+        return dict(PDL=True, launch_pdl=True)
+    return dict(PDL=False)
 
 
 def snake_beta_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
@@ -200,7 +223,10 @@ def _time(launch, config) -> float:
 
 if triton is not None:
     @triton.jit
-    def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, N, eps, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:           # launched while the kernel before runs: wait for it, then let the next one launch
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -216,7 +242,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.contiguous()
     n = x.shape[-1]
     y = torch.empty_like(x)
-    _rms_norm_kernel[(x.numel() // n,)](x, y, weight, n, eps, BLOCK=triton.next_power_of_2(n))
+    _rms_norm_kernel[(x.numel() // n,)](x, y, weight, n, eps, BLOCK=triton.next_power_of_2(n), **_pdl(x))
     return y
 
 
@@ -270,11 +296,14 @@ if triton is not None:
     def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
-                              GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+                              GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
         """One BLOCK_N-wide column block of y [M, N] for all (<= BLOCK_M) rows, streaming its weight
         rows once. NORM: x is RMS-normed first (each program reads x's rows, a few KB, for the
         statistics). GATED: w is [gate; up] (2N rows) and y = silu(x gate.T) * (x up.T). RESIDUAL:
         y += r. Every intermediate is rounded to the activation dtype where the separate ops round."""
+        if PDL:           # launched while the kernel before runs: wait for it, then let the next one launch
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         dtype = y_ptr.dtype.element_ty
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # output features (weight rows)
         rows = tl.arange(0, BLOCK_M)
@@ -371,7 +400,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, conf
         x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
         m, n, k, eps, BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         DOT=dot, IEEE=x.dtype == torch.float32, NORM=norm_weight is not None, GATED=gated,
-        RESIDUAL=residual is not None, num_warps=config["num_warps"], num_stages=config["num_stages"])
+        RESIDUAL=residual is not None, num_warps=config["num_warps"], num_stages=config["num_stages"], **_pdl(x))
 
 
 if triton is not None:
@@ -390,7 +419,10 @@ if triton is not None:
             stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, stride_table, k_offset, v_offset,
             capacity, eps, scale,
             T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-            M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+            M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        if PDL:           # launched while the kernel before runs: wait for it, then let the next one launch
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         HALF: tl.constexpr = D // 2
@@ -517,7 +549,8 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
             k_offset, v_offset, cache.capacity, eps, head_dim ** -0.5,
             T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
             M=max(16, triton.next_power_of_2(t * heads // kv_heads)), PAGE=cache.page_size,
-            BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"], num_stages=c["num_stages"])
+            BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"], num_stages=c["num_stages"],
+            **_pdl(qkv))
 
     scratch = []
 
@@ -625,7 +658,11 @@ if triton is not None:
 
     @triton.jit
     def _sample_rows_kernel(logits_ptr, out_ptr, greedy_ptr, temperature_ptr, top_k_ptr, seed_ptr, frame_ptr,
-                            codebook, V, stride_logits, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr):
+                            codebook, V, stride_logits, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
+                            PDL: tl.constexpr):
+        if PDL:           # launched while the kernel before runs: wait for it, then let the next one launch
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < V
@@ -657,7 +694,7 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.T
     def launch(c):
         _sample_rows_kernel[(b,)](logits, out, greedy, temperature, top_k, seed, frame, codebook, v,
                                   logits.stride(0), BLOCK=triton.next_power_of_2(v), RADIX_BITS=c["RADIX_BITS"],
-                                  num_warps=c["num_warps"])
+                                  num_warps=c["num_warps"], **_pdl(logits))
     # timed per power-of-two class of rows: one row is latency-bound, 256 fill the GPU (the graphs'
     # batch buckets meet every class at warm-up, before any eager call can)
     launch(_fastest(("sample_rows", v, b.bit_length()), SAMPLE_CONFIGS, launch))

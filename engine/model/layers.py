@@ -250,6 +250,11 @@ class DecoderStack(nn.Module):
             x = layer(x, cos, sin, cache, i, start, slots, mask)
         return self.norm(x)
 
+    def head(self, hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor:
+        """An output head (no bias) on final hidden states: on the fused decode path the skinny GEMM
+        kernel, launched like the layers' (`kernels.linear`), else the module."""
+        return linear(hidden, head.weight) if self.fused_decode else head(hidden)
+
     def _decode(self, x, cache, start):
         """`forward` for decode steps (rows = slots 0..B-1, T <= 2): the same math in 5 kernels a
         layer at up to 16 rows (10 beyond), the norms, gate and residual adds folded into the GEMMs and

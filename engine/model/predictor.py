@@ -67,7 +67,7 @@ class CodePredictor(nn.Module):
         codes = []
         for step in range(1, self.num_steps + 1):
             hidden = self.model(x, cache, start, kmax=step + 1)
-            ids = sample_fn(self.lm_head[step - 1](hidden[:, -1]).float(), step)
+            ids = sample_fn(self.model.head(hidden[:, -1], self.lm_head[step - 1]).float(), step)
             codes.append(ids)
             if step < self.num_steps:
                 x = self.model.codec_embedding[step - 1](ids)[:, None]

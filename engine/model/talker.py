@@ -90,7 +90,7 @@ class Talker(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """codec_head in the model dtype, then fp32 (MODEL.md 6.2 step 1) -> [..., vocab]."""
-        return self.codec_head(hidden).float()
+        return self.model.head(hidden, self.codec_head).float()
 
     def predict_codes(self, h: torch.Tensor, c0: torch.Tensor, sample_fn: SampleFn,
                       cache: KVCache | None = None) -> torch.Tensor:
