@@ -202,11 +202,12 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
 def sample(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: int,
            top_p_any: bool = True, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """ids [B]: argmax of logits where greedy, else a seeded draw from softmax(warp(logits)).
-    `noise`: this codebook's gumbel_noise(seed, frame, codebook) when already computed (the fused
+    """ids [B]: argmax of logits where greedy, else a seeded draw from softmax(warp(logits)), in
+    fp32 whatever the logits' float dtype. `noise`: this codebook's gumbel_noise(seed, frame, codebook) when already computed (the fused
     kernel hashes its own)."""
     if fused_sampling(logits.device, top_p_any):          # the same, in one kernel
         return kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook)
+    logits = logits.float()
     if noise is None:
         noise = gumbel_noise(seed, frame, codebook, logits.shape[-1])
     warped = warp(logits, temperature, top_k, top_p, top_p_any)
@@ -230,7 +231,7 @@ def sample_talker(processor: TalkerLogitsProcessor, logits: torch.Tensor, seen: 
 
 def sample_subtalker(logits: torch.Tensor, group: int, frame: torch.Tensor, p: SamplingTensors,
                      noise: torch.Tensor | None = None) -> torch.Tensor:
-    """Codebook `group` (1..15) ids [B] from fp32 code-predictor logits (MODEL.md 6.3: no penalty,
+    """Codebook `group` (1..15) ids [B] from code-predictor logits (MODEL.md 6.3: no penalty,
     no suppression). `frame` [B] is the row's index of the frame being completed. `noise`
     [B, 15, V]: `subtalker_noise(...)` for the frame (one hash pass instead of 15), or None (always
     when `fused_sampling`)."""

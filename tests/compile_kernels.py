@@ -48,6 +48,7 @@ def main() -> None:
                                       stride_b="i32", stride_table="i32", k_offset="i32", v_offset="i32"),
                       dict(PAGE=64, HD=1024, BLOCK=1024))
         build(k._rms_norm_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, N="i32", eps="fp32"), dict(BLOCK=1024))
+        build(k._embedding_kernel, dict(ids_ptr="*i64", table_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
         build(k._silu_mul_kernel, dict(x_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
         # every config `linear` may time and pick, with each epilogue the decode layers use (bf16);
         # the first config of each in fp32 (the CPU tests' dtype)
@@ -65,9 +66,10 @@ def main() -> None:
         build(k._bias_residual_kernel, dict(x_ptr=p, y_ptr=p, out_ptr=p, bias_ptr=p, C="i32", T="i32"), dict(BLOCK=1024))
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
-    for block in (2048, 4096):
+    # fp32 logits (the talker's, after its logits processor) and bf16 (the code predictor's head)
+    for block, logits in ((2048, "*fp32"), (4096, "*fp32"), (2048, "*bf16")):
         for config in k.SAMPLE_CONFIGS:
-            build(k._sample_rows_kernel, dict(logits_ptr="*fp32", out_ptr="*i64", greedy_ptr="*i1",
+            build(k._sample_rows_kernel, dict(logits_ptr=logits, out_ptr="*i64", greedy_ptr="*i1",
                                               temperature_ptr="*fp32", top_k_ptr="*i64", seed_ptr="*i64",
                                               frame_ptr="*i64", codebook="i32", V="i32", stride_logits="i32"),
                   dict(BLOCK=block, RADIX_BITS=config["RADIX_BITS"]), num_warps=config["num_warps"])

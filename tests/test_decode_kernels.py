@@ -34,6 +34,12 @@ def test_silu_mul_matches_torch(kernels):
     torch.testing.assert_close(kernels.silu_mul(gu), kernels.silu_mul_reference(gu), atol=1e-6, rtol=1e-6)
 
 
+def test_embedding_matches_torch(kernels):
+    table = torch.randn(50, 96, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([3, 0, 49, 3])
+    torch.testing.assert_close(kernels.embedding(ids, table), F.embedding(ids, table), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("t", [1, 2])
 def test_decode_attention_matches_the_plain_attention(kernels, t):
     """The pre-norm, QK-norm, RoPE, the K/V write, causal GQA attention over ragged rows and the
@@ -127,6 +133,23 @@ def test_sample_rows_matches_plain_sampling(kernels, monkeypatch, radix_bits):
                           top_p_any=False, noise=noise)
         got = kernels.sample_rows(logits[:, :v], greedy, temperature, top_k, seed, frame, codebook)
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_sample_rows_takes_bf16_logits(kernels):
+    """bf16 logits (a bf16 head's output) are sampled as their exact fp32 values: the same ids as
+    the kernel and `sample` give for the cast logits."""
+    from engine.sampling import sample
+    g = torch.Generator().manual_seed(7)
+    b, v = 6, 2048
+    logits = (torch.randn(b, v, generator=g) * 3).bfloat16()
+    greedy = torch.tensor([True, False, False, False, False, True])
+    temperature, top_k = torch.full((b,), 0.9), torch.tensor([50, 0, 1, 50, 5, 50])
+    seed, frame, no_top_p = torch.arange(b) + 7, torch.arange(b) * 3, torch.ones(b, dtype=torch.float64)
+    got = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, 4)
+    torch.testing.assert_close(got, kernels.sample_rows(logits.float(), greedy, temperature, top_k, seed, frame, 4),
+                               atol=0, rtol=0)
+    expected = sample(logits, greedy, temperature, top_k, no_top_p, seed, frame, 4, top_p_any=False)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
 def test_sample_rows_draws_follow_the_plain_hash(kernels):

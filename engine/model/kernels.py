@@ -16,11 +16,13 @@
   cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own and the residual add in
   addmm (which first copies the residual: 10 kernels a layer).
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
-  plain ops, 16 times a frame, plus ~20 for the seeded noise; `sample_rows` is one, noise included.
+  plain ops, 16 times a frame, plus ~20 for the seeded noise; `sample_rows` is one, noise and the
+  logits' cast to fp32 included.
 - Even at 5 kernels a layer a one-row step is ~750 kernels of a few microseconds, each paying a launch
   gap after the one before. On Hopper and later the decode path's kernels are launched as programmatic
   dependents (`PDL`): the GPU starts each while the one before still runs, and it waits
-  (griddepcontrol.wait) before reading or writing anything.
+  (griddepcontrol.wait) before reading or writing anything. A code-predictor step is such a chain
+  from end to end: its layers, output head, sampling and the next token's `embedding`.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
 The tests run the Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
@@ -243,6 +245,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.shape[-1]
     y = torch.empty_like(x)
     _rms_norm_kernel[(x.numel() // n,)](x, y, weight, n, eps, BLOCK=triton.next_power_of_2(n), **_pdl(x))
+    return y
+
+
+if triton is not None:
+    @triton.jit
+    def _embedding_kernel(ids_ptr, table_ptr, y_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        token = tl.load(ids_ptr + row)
+        tl.store(y_ptr + row * N + cols, tl.load(table_ptr + token * N + cols, mask=mask), mask=mask)
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """table[ids] for ids [B] -> [B, N] in one kernel, launched like the decode path's others so that
+    a chain of dependent launches runs through a code-predictor step's token lookup unbroken."""
+    ids = ids.contiguous()
+    n = table.shape[1]
+    y = torch.empty(ids.numel(), n, dtype=table.dtype, device=table.device)
+    _embedding_kernel[(ids.numel(),)](ids, table, y, n, BLOCK=triton.next_power_of_2(n), **_pdl(table))
     return y
 
 
@@ -666,7 +691,7 @@ if triton is not None:
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < V
-        logits = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=float("-inf"))
+        logits = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=float("-inf")).to(tl.float32)
         if tl.load(greedy_ptr + row) != 0:
             pick = tl.argmax(logits, 0)
         else:
@@ -684,7 +709,8 @@ SAMPLE_CONFIGS = [dict(num_warps=w, RADIX_BITS=r) for r in (2, 4) for w in (4, 8
 
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 seed: torch.Tensor, frame: torch.Tensor, codebook: int) -> torch.Tensor:
-    """`engine.sampling.sample` without top-p in one kernel: ids [B] of fp32 logits [B, V]. The Gumbel
+    """`engine.sampling.sample` without top-p in one kernel: ids [B] of logits [B, V] (fp32, or bf16
+    made fp32 as it is loaded: the cast kernel before it is saved). The Gumbel
     noise of (seed, frame, codebook) is hashed in the kernel: as a [B, V] float64 tensor made by ~20
     elementwise kernels a codebook, it cost 8-12% of a decode step on an H200 (bench/README.md)."""
     b, v = logits.shape

@@ -255,6 +255,11 @@ class DecoderStack(nn.Module):
         kernel, launched like the layers' (`kernels.linear`), else the module."""
         return linear(hidden, head.weight) if self.fused_decode else head(hidden)
 
+    def embed(self, ids: torch.Tensor, table: nn.Embedding) -> torch.Tensor:
+        """A token embedding lookup ids [B] -> [B, D]: on the fused decode path a kernel launched like
+        the layers' (`kernels.embedding`), else the module."""
+        return kernels.embedding(ids, table.weight) if self.fused_decode else table(ids)
+
     def _decode(self, x, cache, start):
         """`forward` for decode steps (rows = slots 0..B-1, T <= 2): the same math in 5 kernels a
         layer at up to 16 rows (10 beyond), the norms, gate and residual adds folded into the GEMMs and

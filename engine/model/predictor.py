@@ -55,7 +55,8 @@ class CodePredictor(nn.Module):
         h: [B, D] the talker's final-normed hidden state at the position whose logits gave c0.
         c0_embed: [B, D] the TALKER codec embedding of c0 (`Talker.embed_codec(c0)`; see
           `Talker.predict_codes`, which does this for you).
-        sample_fn(logits [B, vocab] fp32, group) -> ids [B]: picks codebook `group` (1..15).
+        sample_fn(logits [B, vocab] in the model's dtype, group) -> ids [B]: picks codebook `group`
+          (1..15); MODEL.md 6.3 samples them in fp32 (`engine.sampling.sample` casts them).
         cache: from `new_cache(n)` with n >= B, reused across frames; None allocates one.
         Step 1 runs the 2 positions [h, c0_embed] at positions 0, 1; step s runs CPE[s-1](c_{s-1})
         at position s. Positions restart at 0 every frame (MODEL.md 3.2).
@@ -63,13 +64,15 @@ class CodePredictor(nn.Module):
         b = h.shape[0]
         cache = self.new_cache(b) if cache is None else cache
         x = torch.stack([h, c0_embed], dim=1)
-        start = torch.zeros(b, dtype=torch.long, device=h.device)
+        # positions[p] = [p] * B: each step's start, made at once (one kernel, not one a step)
+        positions = torch.arange(self.num_steps + 1, device=h.device)[:, None].expand(-1, b).contiguous()
+        start = positions[0]
         codes = []
         for step in range(1, self.num_steps + 1):
             hidden = self.model(x, cache, start, kmax=step + 1)
-            ids = sample_fn(self.model.head(hidden[:, -1], self.lm_head[step - 1]).float(), step)
+            ids = sample_fn(self.model.head(hidden[:, -1], self.lm_head[step - 1]), step)
             codes.append(ids)
             if step < self.num_steps:
-                x = self.model.codec_embedding[step - 1](ids)[:, None]
-                start = torch.full((b,), step + 1, dtype=torch.long, device=h.device)
+                x = self.model.embed(ids, self.model.codec_embedding[step - 1])[:, None]
+                start = positions[step + 1]
         return torch.stack(codes, dim=1)
