@@ -203,8 +203,8 @@ def sample(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor
            top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: int,
            top_p_any: bool = True, noise: torch.Tensor | None = None) -> torch.Tensor:
     """ids [B]: argmax of logits where greedy, else a seeded draw from softmax(warp(logits)), in
-    fp32 whatever the logits' float dtype. `noise`: this codebook's gumbel_noise(seed, frame, codebook) when already computed (the fused
-    kernel hashes its own)."""
+    fp32 whatever the logits' float dtype. `noise`: this codebook's gumbel_noise(seed, frame,
+    codebook) when already computed (the fused kernel hashes its own)."""
     if fused_sampling(logits.device, top_p_any):          # the same, in one kernel
         return kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook)
     logits = logits.float()

@@ -225,10 +225,16 @@ def _time(launch, config) -> float:
 
 if triton is not None:
     @triton.jit
-    def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:           # launched while the kernel before runs: wait for it, then let the next one launch
+    def _dependent_launch_start(PDL: tl.constexpr):
+        """A decode-path kernel's first statement: launched while the kernel before still runs (`PDL`),
+        it waits for that one's results, then lets the next kernel launch."""
+        if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        _dependent_launch_start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -251,9 +257,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 if triton is not None:
     @triton.jit
     def _embedding_kernel(ids_ptr, table_ptr, y_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        _dependent_launch_start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -326,9 +330,7 @@ if triton is not None:
         rows once. NORM: x is RMS-normed first (each program reads x's rows, a few KB, for the
         statistics). GATED: w is [gate; up] (2N rows) and y = silu(x gate.T) * (x up.T). RESIDUAL:
         y += r. Every intermediate is rounded to the activation dtype where the separate ops round."""
-        if PDL:           # launched while the kernel before runs: wait for it, then let the next one launch
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        _dependent_launch_start(PDL)
         dtype = y_ptr.dtype.element_ty
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # output features (weight rows)
         rows = tl.arange(0, BLOCK_M)
@@ -445,9 +447,7 @@ if triton is not None:
             capacity, eps, scale,
             T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
             M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-        if PDL:           # launched while the kernel before runs: wait for it, then let the next one launch
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        _dependent_launch_start(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         HALF: tl.constexpr = D // 2
@@ -685,9 +685,7 @@ if triton is not None:
     def _sample_rows_kernel(logits_ptr, out_ptr, greedy_ptr, temperature_ptr, top_k_ptr, seed_ptr, frame_ptr,
                             codebook, V, stride_logits, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
                             PDL: tl.constexpr):
-        if PDL:           # launched while the kernel before runs: wait for it, then let the next one launch
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        _dependent_launch_start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < V
@@ -710,9 +708,9 @@ SAMPLE_CONFIGS = [dict(num_warps=w, RADIX_BITS=r) for r in (2, 4) for w in (4, 8
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 seed: torch.Tensor, frame: torch.Tensor, codebook: int) -> torch.Tensor:
     """`engine.sampling.sample` without top-p in one kernel: ids [B] of logits [B, V] (fp32, or bf16
-    made fp32 as it is loaded: the cast kernel before it is saved). The Gumbel
-    noise of (seed, frame, codebook) is hashed in the kernel: as a [B, V] float64 tensor made by ~20
-    elementwise kernels a codebook, it cost 8-12% of a decode step on an H200 (bench/README.md)."""
+    made fp32 as it is loaded: no cast kernel before it). The Gumbel noise of (seed, frame, codebook)
+    is hashed in the kernel: as a [B, V] float64 tensor made by ~20 elementwise kernels a codebook, it
+    cost 8-12% of a decode step on an H200 (bench/README.md)."""
     b, v = logits.shape
     logits = logits.contiguous()
     out = torch.empty(b, dtype=torch.long, device=logits.device)
