@@ -53,7 +53,7 @@ def main() -> None:
     row("scheduler buffers")
     runner, vocoder = scheduler.runner, scheduler.vocoder      # in `Scheduler.warmup`'s order
     with torch.no_grad():
-        vocoder.graphs.capture()
+        vocoder.capture()
         row(f"vocoder graphs ({len(vocoder.graphs.graphs)})")
         runner.graphs.capture(WARMUP_KV_KEYS)
         row(f"decode-step graphs ({len(runner.graphs.graphs)})")

@@ -11,10 +11,12 @@ captured on first use of a bucket (or up front by `capture`); capturing runs wit
 inactive, so it is safe while sessions are live.
 
 Memory: a graph keeps what its replay's intermediates use for as long as it lives (its pool). The
-graphs of one scheduler (step, prefill, vocoder) share one pool, so they hold what the largest
-needs, not the sum (on an H200 at 256 slots: 18.7 GiB as separate pools grown smallest first). That
-is safe because replays run one at a time on one stream and each graph's output is copied out
-before another graph replays. `capture` goes largest first: a later, smaller graph fits in the
+graphs replayed on one stream (a scheduler's step and prefill graphs, and its vocoder's where the
+vocoder shares their stream) share one pool, so they hold what the largest needs, not the sum (on an
+H200 at 256 slots: 18.7 GiB as separate pools grown smallest first). That is safe because those
+replays run one at a time and each graph's output is copied out before another graph replays; the
+vocoder's graphs on a stream of their own (`engine.streaming`) run beside the steps', so they have a
+pool of their own. `capture` goes largest first: a later, smaller graph fits in the
 blocks the larger one left, where the other order leaves each bucket's blocks too small for the next.
 """
 from __future__ import annotations

@@ -321,7 +321,7 @@ class Scheduler:
             self.runner.cache.max_pages = max(1, max_cache_bytes // self.runner.cache.page_bytes)
         pool = None
         if cuda_graphs and torch.device(self.device).type == "cuda":
-            pool = torch.cuda.graph_pool_handle()     # step, prefill and vocoder graphs: one pool
+            pool = torch.cuda.graph_pool_handle()     # step and prefill graphs (and the vocoder's on this stream): one pool
             self.runner.use_cuda_graphs(pool=pool)
         self.vocoder = StreamingVocoder(model.vocoder, max_batch, WindowPolicy(*window_frames),
                                         cfg.samples_per_frame / cfg.sample_rate, cfg.talker.num_code_groups,
@@ -377,12 +377,12 @@ class Scheduler:
         """Capture the decode step's CUDA graphs for every batch bucket and the kv buckets up to
         `max_live` keys (default: all), the one-row prefills and the vocoder windows, before serving,
         so no session waits on a capture. Call before `start`. Returns the number of graphs (0 without
-        CUDA graphs). The vocoder's go first: they need the most of the graphs' shared pool, and the
-        others then fit in it."""
+        CUDA graphs). The vocoder's go first: where they share the steps' pool they need the most of
+        it, and the others then fit in it."""
         if self.runner.graphs is None:
             return 0
         with torch.no_grad():
-            n = self.vocoder.graphs.capture()
+            n = self.vocoder.capture()
             return n + self.runner.graphs.capture(max_live) + self.runner.prefill_graphs.capture()
 
     def __enter__(self) -> "Scheduler":

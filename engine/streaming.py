@@ -12,11 +12,18 @@ On a GPU the scheduler runs one step ahead of what it has read back (`engine.sch
 are put in the ring when it is launched (`add`), and count toward a window once its result says the
 row made them (`confirm`); a window's audio comes back to the host without waiting (`WindowAudio`).
 
+On a GPU the windows are decoded on a CUDA stream of their own (`VocoderStream`), beside the decode
+steps: a step leaves most of the GPU idle (at one session it waits on kernel latency), and the vocoder's
+convolutions fill it, where on one stream each waited for the other. `QWEN3_TTS_VOCODER_STREAM=0` puts
+them back on the step's stream.
+
 On device out-of-memory a window decode is split, first across streams, then in time (the decoder
 state carries over, so the audio is the same).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -68,6 +75,39 @@ class WindowPolicy:
         return np.where(decoded == 0, pending >= self.first, (pending >= sizes[-1]) | (at_size & running_dry))
 
 
+# The vocoder on a CUDA stream of its own beside the steps (see above); "0" turns it off, "high" gives
+# it a higher priority than the steps' stream.
+VOCODER_STREAM = os.environ.get("QWEN3_TTS_VOCODER_STREAM", "1")
+
+
+class VocoderStream:
+    """Where the vocoder's work runs: a CUDA stream of its own, ordered after everything the caller's
+    stream queued before (the frames it reads, a slot's previous session), or the caller's own stream
+    (the CPU; `QWEN3_TTS_VOCODER_STREAM=0`).
+
+    What the vocoder keeps to itself (its streams' state, its graphs' pool, its outputs up to their
+    copy to the host) is only touched from this stream, in launch order. Tensors the caller's stream
+    made and the vocoder reads are passed to `enter`, so the allocator keeps their memory until the
+    vocoder's use has run."""
+
+    def __init__(self, device: torch.device, mode: str | None = None):
+        """mode: "1" a stream of its own, "high" one of higher priority, "0" the caller's (default:
+        `VOCODER_STREAM`)."""
+        mode = VOCODER_STREAM if mode is None else mode
+        self.stream = None
+        if torch.device(device).type == "cuda" and mode != "0":
+            self.stream = torch.cuda.Stream(device, priority=-1 if mode == "high" else 0)
+
+    def enter(self, *inputs: torch.Tensor):
+        """A context running the vocoder's work after the caller's stream's, reading `inputs`."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        for t in inputs:
+            t.record_stream(self.stream)
+        return torch.cuda.stream(self.stream)
+
+
 class WindowAudio:
     """A window decode's audio on its way to the host; split on out-of-memory, its parts are joined
     along `axis` (0: streams, 1: time) when read."""
@@ -103,13 +143,23 @@ class StreamingVocoder:
         self.decoded = np.zeros(max_streams, dtype=np.int64)   # frames already turned into audio
         self.started = np.zeros(max_streams)                   # time.monotonic() of the first audio
         self.graphs = None                                       # engine.graphs.VocoderGraphs once enabled
+        self.stream = VocoderStream(device)
         self._primed = PerVoice()             # reference codes -> the stream state they prime
 
     def use_cuda_graphs(self, pool=None, max_batch: int | None = None) -> None:
-        """Replay the window decodes of the policy's window sizes from CUDA graphs (from the memory
-        pool `pool`, default a new one), at most `max_batch` streams a replay (default: all)."""
+        """Replay the window decodes of the policy's window sizes from CUDA graphs, at most `max_batch`
+        streams a replay (default: all). Their memory pool is `pool` where the vocoder shares the
+        caller's stream (graphs replayed one after the other may share one), a pool of their own
+        where it runs beside it."""
         from .graphs import VocoderGraphs
+        if self.stream.stream is not None:
+            pool = None
         self.graphs = VocoderGraphs(self.streams, self.policy.sizes(), pool=pool, max_batch=max_batch)
+
+    def capture(self) -> int:
+        """Capture the vocoder's CUDA graphs up front; returns how many there are."""
+        with self.stream.enter():
+            return self.graphs.capture()
 
     def start(self, slots: list[int], ref_codes: list[torch.Tensor | None]) -> None:
         """Fresh streams for new sessions; ICL ones are primed by decoding their reference codes.
@@ -119,6 +169,10 @@ class StreamingVocoder:
         frames of audio it drops)."""
         idx = np.asarray(slots, dtype=np.int64)
         self.written[idx] = self.count[idx] = self.decoded[idx] = 0
+        with self.stream.enter():
+            self._start(slots, ref_codes)
+
+    def _start(self, slots: list[int], ref_codes: list[torch.Tensor | None]) -> None:
         self.streams.reset(self._index(slots))
         unprimed: dict[int, tuple[int, torch.Tensor]] = {}   # the first slot of each reference not primed yet
         copies = []
@@ -177,7 +231,9 @@ class StreamingVocoder:
         """
         idx = self._index(slots)
         ring = self._index((self.decoded[slots, None] + np.arange(frames)) % self.ring)
-        audio = self._decode(idx, self.pending[idx[:, None], ring])
+        codes = self.pending[idx[:, None], ring]    # taken on the caller's stream: the ring's next writes come after
+        with self.stream.enter(idx, codes):
+            audio = self._decode(idx, codes)
         self.started[slots] = np.where(self.decoded[slots] == 0, time.monotonic(), self.started[slots])
         self.count[slots] = 0
         self.decoded[slots] += frames
