@@ -22,7 +22,8 @@ Each iteration of the engine loop:
      step's frames and ends (EOS, frame limit: the slot is free at once);
   6. launch the streaming vocoder, batched, on the windows that are due (`engine.streaming`: they
      grow while the listener holds enough audio, judged from the recent time per step), and on
-     the last frames of the sessions that ended.
+     the last frames of the sessions that ended; on a GPU they run on a stream of their own, beside
+     the next step.
 
 The host thus works one step behind the GPU, which always has the next step queued: the host's
 work per frame (admissions, bookkeeping, sending audio) is hidden behind the device's, where it used
