@@ -37,13 +37,13 @@ fi
 #   with its path): "." is the working tree, others hold a commit's engine/ and bench/, made on the
 #   host by `git archive REV engine bench | tar -x -C .device/REV` and carried along
 # VARIANTS: environment settings to time in turn, space-separated (e.g. "QWEN3_TTS_PDL=1 QWEN3_TTS_PDL=0";
-#   "-": none), each tagged with its setting
+#   "-": none; "A=1,B=2": two at once), each tagged with its setting
 if has throughput; then
   for tree in ${TREES:-.}; do
     for variant in ${VARIANTS:--}; do
       [[ $variant == - ]] && variant= tag=$tree || tag="$tree $variant"
       for vb in ${VOCODER_BATCHES:-64}; do
-        (cd "$tree" && env $variant PYTHONPATH=/tmp/site_srv:$PWD timeout 300 python3 -m bench.throughput \
+        (cd "$tree" && env ${variant//,/ } PYTHONPATH=/tmp/site_srv:$PWD timeout 300 python3 -m bench.throughput \
           --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --reps ${REPS:-1} \
           --vocoder-batch $vb --tag "$tag" --out "$R") >> "$OUTD/throughput.log" 2>&1
         echo "throughput ($tag, vocoder batch $vb) rc=$? at $((SECONDS-t0)) s"

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engine.loader import load_model
+from engine.model import kernels
 from engine.requests import SamplingParams, SpeechRequest
 from engine.scheduler import VOCODER_BATCH, Scheduler
 from bench.results import emit
@@ -97,11 +98,15 @@ def main() -> None:
                           vocoder_batch=args.vocoder_batch)
     t = time.perf_counter()
     graphs = scheduler.warmup(max_live=args.frames + 128)
-    print(f"warm-up: {graphs} CUDA graphs in {time.perf_counter() - t:.1f} s", flush=True)
+    warmup_s = time.perf_counter() - t
+    print(f"warm-up: {graphs} CUDA graphs in {warmup_s:.1f} s", flush=True)
     scheduler.start()
 
     def emit_row(row: dict) -> None:
         emit({"peer": "qwen3-tts-server", "tag": args.tag, "vocoder_batch": args.vocoder_batch, **row}, args.out)
+
+    # what a server's start costs: graph captures, and on a fresh machine Triton's compiles
+    emit_row(dict(kind="warmup", graphs=graphs, seconds=round(warmup_s, 1), triton_compiles=kernels.compiles))
 
     def emit_memory(when: str) -> None:
         """GPU memory with no session running: PyTorch's tensors, its allocator's total, the talker

@@ -6,6 +6,7 @@ type changes, say), so this compiles each one as the device would, with the real
 """
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compile without the interpreter"
 
@@ -17,12 +18,20 @@ from engine.model import kernels as k  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
+# compiles run in threads, as the engine's autotuned configs do on the GPU (`kernels._compile_candidates`)
+POOL = ThreadPoolExecutor(os.cpu_count() or 1)
+JOBS = []
+
+
 def build(fn, types: dict, constants: dict, **options) -> None:
     if "PDL" in fn.arg_names:       # the decode-path kernels: compiled as the GPU launches them (kernels._pdl)
         constants = dict(constants, PDL=True)
     signature = {name: ("constexpr" if name in constants else types[name]) for name in fn.arg_names}
-    compile(ASTSource(fn, signature, constants), target=TARGET, options=options or None)
-    print("compiled", fn.__name__, constants, options, flush=True)
+
+    def job():
+        compile(ASTSource(fn, signature, constants), target=TARGET, options=options or None)
+        print("compiled", fn.__name__, constants, options, flush=True)
+    JOBS.append(POOL.submit(job))
 
 
 def main() -> None:
@@ -73,6 +82,8 @@ def main() -> None:
                                               temperature_ptr="*fp32", top_k_ptr="*i64", seed_ptr="*i64",
                                               frame_ptr="*i64", codebook="i32", V="i32", stride_logits="i32"),
                   dict(BLOCK=block, RADIX_BITS=config["RADIX_BITS"]), num_warps=config["num_warps"])
+    for job in JOBS:
+        job.result()          # a compile error fails the run
 
 
 if __name__ == "__main__":

@@ -191,6 +191,27 @@ def test_skinny_linear_matches_the_separate_ops(kernels, rows, epilogue):
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=str(config))
 
 
+def test_candidate_configs_compile_side_by_side(kernels, monkeypatch, caplog):
+    """`_fastest` first has every config it will time compiled at once: each launch asked only to
+    compile, all inside one Triton async-compile context; where that fails it turns itself off and
+    the configs compile at their first launch. (On the GPU a fresh machine's warm-up is mostly these
+    compiles; tests/compile_kernels.py compiles the real kernels in threads.)"""
+    from triton.runtime import _async_compile
+    monkeypatch.setattr(kernels, "PARALLEL_COMPILE", True)
+    seen = []
+    kernels._compile_candidates([{"a": 1}, {"a": 2}], lambda c, compile_only=False: seen.append(
+        (c["a"], compile_only, _async_compile.active_mode.get() is not None)))
+    assert seen == [(1, True, True), (2, True, True)]
+    assert _async_compile.active_mode.get() is None
+
+    def broken(c, compile_only=False):
+        raise TypeError("no warmup here")
+    kernels._compile_candidates([{"a": 1}, {"a": 2}], broken)
+    assert kernels.PARALLEL_COMPILE is False and "parallel Triton compiles are off" in caplog.text
+    kernels._compile_candidates([{"a": 1}, {"a": 2}], lambda c, compile_only=False: seen.append(c))
+    assert len(seen) == 2                      # off: nothing more is queued
+
+
 def test_head_sizes_the_attention_kernel_takes(kernels):
     """Other head sizes keep the plain ops (`DecoderStack.fuse` asks before choosing the kernel)."""
     assert [kernels.decode_attention_supports(d) for d in (16, 32, 48, 64, 128)] == [False, True, False, True, True]

@@ -29,7 +29,9 @@ The tests run the Triton kernels on the CPU through Triton's interpreter (TRITON
 from __future__ import annotations
 
 import functools
+import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -202,18 +204,58 @@ def qk_norm_rope(x, weight, eps, cos, sin):
 
 
 _fastest_config: dict = {}
+log = logging.getLogger(__name__)
+
+# The configs `_fastest` is about to time are first compiled side by side in threads (Triton releases
+# the GIL while it compiles): on a fresh machine, most of the server's warm-up went to compiling them
+# one after the other (~1.7 s each). QWEN3_TTS_PARALLEL_COMPILE=0 compiles each at its first launch.
+PARALLEL_COMPILE = os.environ.get("QWEN3_TTS_PARALLEL_COMPILE", "1") != "0"
 
 
 def _fastest(key, configs: list[dict], launch) -> dict:
     """The fastest launch config of a kernel for `key` (its shapes), timed once on the GPU with
     `triton.testing.do_bench` (which flushes the L2 cache between runs, as the decode step's weight
-    streaming does); the first config elsewhere and while a CUDA graph is being captured."""
+    streaming does); the first config elsewhere and while a CUDA graph is being captured.
+    launch(config, compile_only=False): runs the kernel with that config, or only compiles it."""
     best = _fastest_config.get(key)
     if best is None:
         if not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
             return configs[0]
+        _compile_candidates(configs, launch)
         best = _fastest_config[key] = min(configs, key=lambda c: _time(launch, c))
     return best
+
+
+@functools.cache
+def _compile_pool() -> ThreadPoolExecutor:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return ThreadPoolExecutor(max_workers=min(32, cpus), thread_name_prefix="triton-compile")
+
+
+def _compile_candidates(configs: list[dict], launch) -> None:
+    """Compile every config's kernel variant at once on a thread pool and wait for them all (Triton's
+    `AsyncCompileMode`). Where that fails, parallel compiles are off for the process: each variant
+    then compiles at its first launch, as it always may (a variant that does not compile fails there)."""
+    global PARALLEL_COMPILE
+    if not PARALLEL_COMPILE or len(configs) < 2:
+        return
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+        with AsyncCompileMode(_compile_pool(), ignore_errors=True):
+            for c in configs:
+                launch(c, compile_only=True)
+    except Exception as e:      # an older Triton, or an API that moved: lose the speed, not the kernels
+        PARALLEL_COMPILE = False
+        log.warning("parallel Triton compiles are off (%s: %s); kernels compile at first launch",
+                    type(e).__name__, e)
+
+
+def _launch(kernel, grid: tuple, args: tuple, options: dict, compile_only: bool = False) -> None:
+    """kernel[grid](*args, **options), or, with `compile_only`, only its compile (`_compile_candidates`)."""
+    if compile_only:
+        kernel.warmup(*args, grid=grid, **options)
+    else:
+        kernel[grid](*args, **options)
 
 
 def _time(launch, config) -> float:
@@ -408,7 +450,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
     x2 = x2.contiguous()
     r2 = None if r2 is None else r2.contiguous()
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    launch = lambda c: skinny_linear(x2, weight, y, c, norm_weight, eps, gated, r2)   # noqa: E731
+    launch = lambda c, compile_only=False: skinny_linear(x2, weight, y, c, norm_weight, eps, gated, r2,  # noqa: E731
+                                                         compile_only)
     # the CUDA-core variants are timed for each row count they serve (1 and 2 rows want different
     # configs); the tensor-core one pads to 16 rows, so one timing serves all its row counts
     key = ("linear", n, k, x.dtype, rows if rows <= GEMV_ROWS else SKINNY_ROWS, norm_weight is not None, gated,
@@ -419,15 +462,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: dict,
                   norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-                  residual: torch.Tensor | None = None) -> None:
+                  residual: torch.Tensor | None = None, compile_only: bool = False) -> None:
     """out [M, N] = `linear`(x [M, K], weight) with one launch config of `linear_configs(M)`."""
     (m, k), n = x.shape, out.shape[1]
     dot = config["kernel"] == "dot"
-    _skinny_linear_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](
-        x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
-        m, n, k, eps, BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-        DOT=dot, IEEE=x.dtype == torch.float32, NORM=norm_weight is not None, GATED=gated,
-        RESIDUAL=residual is not None, num_warps=config["num_warps"], num_stages=config["num_stages"], **_pdl(x))
+    _launch(_skinny_linear_kernel, (triton.cdiv(n, config["BLOCK_N"]),),
+            (x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
+             m, n, k, eps),
+            dict(BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], DOT=dot,
+                 IEEE=x.dtype == torch.float32, NORM=norm_weight is not None, GATED=gated,
+                 RESIDUAL=residual is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
+                 **_pdl(x)), compile_only)
 
 
 if triton is not None:
@@ -565,28 +610,28 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     qkv = qkv.contiguous()
     out = torch.empty(b, t, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
 
-    def launch(c, cache=cache, layer=layer, start=start, out=out):
+    def launch(c, cache=cache, layer=layer, start=start, out=out, compile_only=False):
         block = max(16, min(c["BLOCK_K"], triton.next_power_of_2(cache.capacity), cache.page_size))
         k_offset, v_offset = cache.layer_offsets(layer)
-        _decode_attention_kernel[(b, kv_heads)](
-            qkv, out, cache.anchor, cache.table, start, q_norm_weight, k_norm_weight, inv_freq,
-            qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), cache.table.stride(0),
-            k_offset, v_offset, cache.capacity, eps, head_dim ** -0.5,
-            T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
-            M=max(16, triton.next_power_of_2(t * heads // kv_heads)), PAGE=cache.page_size,
-            BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"], num_stages=c["num_stages"],
-            **_pdl(qkv))
+        _launch(_decode_attention_kernel, (b, kv_heads),
+                (qkv, out, cache.anchor, cache.table, start, q_norm_weight, k_norm_weight, inv_freq,
+                 qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), cache.table.stride(0),
+                 k_offset, v_offset, cache.capacity, eps, head_dim ** -0.5),
+                dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
+                     M=max(16, triton.next_power_of_2(t * heads // kv_heads)), PAGE=cache.page_size,
+                     BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"],
+                     num_stages=c["num_stages"], **_pdl(qkv)), compile_only)
 
     scratch = []
 
-    def launch_on_scratch(c):
+    def launch_on_scratch(c, compile_only=False):
         if not scratch:
             keys = min(ATTENTION_TIMING_KEYS, cache.capacity)
             s = type(cache)(1, b, keys, kv_heads, head_dim, cache.anchor.dtype, cache.anchor.device,
                             cache.page_size, reserve_all=True, separate_pages=cache.separate_pages)
             scratch.extend([s, 0, torch.full((b,), max(0, keys - t), dtype=start.dtype, device=start.device),
                             torch.empty_like(out)])
-        launch(c, *scratch)
+        launch(c, *scratch, compile_only=compile_only)
 
     if config is None:
         key = ("attention", b, t, heads, kv_heads, head_dim, qkv.dtype, cache.capacity, cache.page_size)
@@ -715,10 +760,11 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.T
     logits = logits.contiguous()
     out = torch.empty(b, dtype=torch.long, device=logits.device)
 
-    def launch(c):
-        _sample_rows_kernel[(b,)](logits, out, greedy, temperature, top_k, seed, frame, codebook, v,
-                                  logits.stride(0), BLOCK=triton.next_power_of_2(v), RADIX_BITS=c["RADIX_BITS"],
-                                  num_warps=c["num_warps"], **_pdl(logits))
+    def launch(c, compile_only=False):
+        _launch(_sample_rows_kernel, (b,),
+                (logits, out, greedy, temperature, top_k, seed, frame, codebook, v, logits.stride(0)),
+                dict(BLOCK=triton.next_power_of_2(v), RADIX_BITS=c["RADIX_BITS"], num_warps=c["num_warps"],
+                     **_pdl(logits)), compile_only)
     # timed per power-of-two class of rows: one row is latency-bound, 256 fill the GPU (the graphs'
     # batch buckets meet every class at warm-up, before any eager call can)
     launch(_fastest(("sample_rows", v, b.bit_length()), SAMPLE_CONFIGS, launch))
