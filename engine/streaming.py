@@ -75,8 +75,7 @@ class WindowPolicy:
         return np.where(decoded == 0, pending >= self.first, (pending >= sizes[-1]) | (at_size & running_dry))
 
 
-# The vocoder on a CUDA stream of its own beside the steps (see above); "0" turns it off, "high" gives
-# it a higher priority than the steps' stream.
+# The vocoder on a CUDA stream of its own beside the steps (see above); "0" turns it off.
 VOCODER_STREAM = os.environ.get("QWEN3_TTS_VOCODER_STREAM", "1")
 
 
@@ -90,13 +89,10 @@ class VocoderStream:
     made and the vocoder reads are passed to `enter`, so the allocator keeps their memory until the
     vocoder's use has run."""
 
-    def __init__(self, device: torch.device, mode: str | None = None):
-        """mode: "1" a stream of its own, "high" one of higher priority, "0" the caller's (default:
-        `VOCODER_STREAM`)."""
-        mode = VOCODER_STREAM if mode is None else mode
+    def __init__(self, device: torch.device):
         self.stream = None
-        if torch.device(device).type == "cuda" and mode != "0":
-            self.stream = torch.cuda.Stream(device, priority=-1 if mode == "high" else 0)
+        if torch.device(device).type == "cuda" and VOCODER_STREAM != "0":
+            self.stream = torch.cuda.Stream(device)
 
     def enter(self, *inputs: torch.Tensor):
         """A context running the vocoder's work after the caller's stream's, reading `inputs`."""
