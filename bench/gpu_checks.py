@@ -147,27 +147,42 @@ def fused_sampling_vs_plain(model) -> dict:
     return dict(check="fused_sampling_vs_plain", same_ids=same / total, ok=same == total)
 
 
+def _turns_either_way(model, module, name: str, values: tuple, max_batch: int, turns: list[tuple[str, int, int]],
+                      voice_seed: int) -> tuple[bool, float, int]:
+    """Seeded, sampled turns (text, max_frames = min_new_tokens, seed), all submitted at once to a
+    scheduler of `max_batch` slots, once with `module.name` set to each of the two `values`: whether
+    every turn's codes are equal, the largest PCM difference (inf where codes differ) and the frames."""
+    voice = model.make_voice(np.random.default_rng(voice_seed).standard_normal(48000).astype(np.float32) * 0.1,
+                             24000)
+    out, before = [], getattr(module, name)
+    try:
+        for value in values:
+            setattr(module, name, value)
+            with Scheduler(model, max_batch, keep_codes=True) as s:
+                handles = [s.submit(SpeechRequest(text=text, voice=voice, language="english", max_frames=frames,
+                                                  sampling=SamplingParams(seed=seed, min_new_tokens=frames)))
+                           for text, frames, seed in turns]
+                out.append([h.collect(timeout=300) for h in handles])
+    finally:
+        setattr(module, name, before)
+    equal, pcm_diff, frames = True, 0.0, 0
+    for (chunks_a, a), (chunks_b, b) in zip(*out):
+        same = a.codes.shape == b.codes.shape and bool((a.codes == b.codes).all())
+        pa, pb = np.concatenate([c.pcm for c in chunks_a]), np.concatenate([c.pcm for c in chunks_b])
+        equal &= same
+        pcm_diff = max(pcm_diff, float(np.abs(pa - pb).max()) if same else float("inf"))
+        frames += int(a.codes.shape[0])
+    return equal, pcm_diff, frames
+
+
 def dependent_launch_vs_plain(model) -> dict:
     """A seeded, sampled turn through the scheduler's graphs with `kernels.PDL` on and off. A kernel
-    that read its predecessor's output before waiting for it would show as different codes."""
+    that read its predecessor's output before waiting for it would show as different codes. (The
+    vocoder launches plainly either way; its graphs may take other cuDNN algorithms: not bit for bit.)"""
     from engine.model import kernels
-    voice = model.make_voice(np.random.default_rng(2).standard_normal(48000).astype(np.float32) * 0.1, 24000)
-    out, pdl = {}, kernels.PDL
-    try:
-        for on in (True, False):
-            kernels.PDL = on
-            with Scheduler(model, 4, keep_codes=True) as s:
-                h = s.submit(SpeechRequest(text="Kernels launched while the one before still runs.", voice=voice,
-                                           language="english", max_frames=40,
-                                           sampling=SamplingParams(seed=7, min_new_tokens=40)))
-                chunks, result = h.collect(timeout=300)
-                out[on] = (result.codes, np.concatenate([c.pcm for c in chunks]))
-    finally:
-        kernels.PDL = pdl
-    equal = out[True][0].shape == out[False][0].shape and bool((out[True][0] == out[False][0]).all())
-    # the vocoder launches plainly either way (its graphs may take other cuDNN algorithms: not bit for bit)
-    pcm_diff = float(np.abs(out[True][1] - out[False][1]).max()) if equal else float("inf")
-    return dict(check="dependent_launch_vs_plain", frames=int(out[True][0].shape[0]), codes_equal=equal,
+    equal, pcm_diff, frames = _turns_either_way(
+        model, kernels, "PDL", (True, False), 4, [("Kernels launched while the one before still runs.", 40, 7)], 2)
+    return dict(check="dependent_launch_vs_plain", frames=frames, codes_equal=equal,
                 pcm_max_abs_diff=round(pcm_diff, 5), ok=equal and pcm_diff < 0.05)
 
 
@@ -177,25 +192,9 @@ def vocoder_stream_vs_steps_stream(model) -> dict:
     stream state is reset while the vocoder may still be decoding the last window of the one before).
     A read of frames before the step wrote them, or a reset racing a decode, shows as other audio."""
     from engine import streaming
-    voice = model.make_voice(np.random.default_rng(3).standard_normal(48000).astype(np.float32) * 0.1, 24000)
-    out, mode = {}, streaming.VOCODER_STREAM
-    try:
-        for side in ("1", "0"):
-            streaming.VOCODER_STREAM = side
-            with Scheduler(model, 2, keep_codes=True) as s:
-                handles = [s.submit(SpeechRequest(text=f"Turn {i}: audio decoded beside the steps.", voice=voice,
-                                                  language="english", max_frames=frames,
-                                                  sampling=SamplingParams(seed=11 + i, min_new_tokens=frames)))
-                           for i, frames in enumerate((20, 40, 30))]
-                out[side] = [h.collect(timeout=300) for h in handles]
-    finally:
-        streaming.VOCODER_STREAM = mode
-    equal, pcm_diff = True, 0.0
-    for (chunks_a, a), (chunks_b, b) in zip(out["1"], out["0"]):
-        equal &= a.codes.shape == b.codes.shape and bool((a.codes == b.codes).all())
-        pa, pb = np.concatenate([c.pcm for c in chunks_a]), np.concatenate([c.pcm for c in chunks_b])
-        pcm_diff = max(pcm_diff, float(np.abs(pa - pb).max()) if pa.shape == pb.shape else float("inf"))
-    return dict(check="vocoder_stream_vs_steps_stream", sessions=3, codes_equal=equal,
+    turns = [(f"Turn {i}: audio decoded beside the steps.", frames, 11 + i) for i, frames in enumerate((20, 40, 30))]
+    equal, pcm_diff, _ = _turns_either_way(model, streaming, "VOCODER_STREAM", ("1", "0"), 2, turns, 3)
+    return dict(check="vocoder_stream_vs_steps_stream", sessions=len(turns), codes_equal=equal,
                 pcm_max_abs_diff=round(pcm_diff, 5), ok=equal and pcm_diff < 0.05)
 
 

@@ -6,7 +6,6 @@ type changes, say), so this compiles each one as the device would, with the real
 """
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compile without the interpreter"
 
@@ -18,8 +17,8 @@ from engine.model import kernels as k  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-# compiles run in threads, as the engine's autotuned configs do on the GPU (`kernels._compile_candidates`)
-POOL = ThreadPoolExecutor(os.cpu_count() or 1)
+# compiles run on the engine's own compile threads, as its autotuned configs do on the GPU
+# (`kernels._compile_candidates`)
 JOBS = []
 
 
@@ -31,7 +30,7 @@ def build(fn, types: dict, constants: dict, **options) -> None:
     def job():
         compile(ASTSource(fn, signature, constants), target=TARGET, options=options or None)
         print("compiled", fn.__name__, constants, options, flush=True)
-    JOBS.append(POOL.submit(job))
+    JOBS.append(k._compile_pool().submit(job))
 
 
 def main() -> None:
