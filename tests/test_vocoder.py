@@ -9,6 +9,7 @@ last-bit differences ~30x (activations reach ~700 before the last conv), to ~4e-
 fp32 vs fp64 of one unchunked decode -- so fp32 streaming is held to the golden 1e-4.
 """
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -185,6 +186,19 @@ def test_bf16_keeps_fp32_rope_and_streams(vocoder, random_codes):
     assert wav.dtype == torch.float32 and wav.shape == (2, 2 * SPF)
     assert torch.isfinite(wav).all() and wav.abs().max().item() <= 1.0
     assert streams.frames[:2].tolist() == [2, 2]
+
+
+def test_stream_state_of_the_12hz_decoder_is_under_a_megabyte():
+    """A stream's state (every op's left context) for the 0.6B model's decoder in bf16: the attention
+    keeps its last 71 inputs (8 layers x 71 x 512), not their keys and values (4x as many), so 256
+    slots hold 0.22 GB, not 0.67."""
+    cfg = load_config(Path(__file__).parents[1] / "engine" / "testing" / "configs" / "0.6b").decoder
+    with torch.device("meta"):
+        v = Vocoder(cfg).to(torch.bfloat16)
+    context = v.initial_context(1)
+    attention = {op: buf for op, buf in context.items() if hasattr(op, "q_proj")}
+    assert [buf.shape for buf in attention.values()] == [(1, 71, 512)] * 8
+    assert sum(buf.numel() * buf.element_size() for buf in context.values()) == 852_096
 
 
 class ReplayOnCPU:
