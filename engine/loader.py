@@ -160,6 +160,8 @@ def load_model(model_dir_or_hub_id: str | Path, device: str | torch.device = "cp
     if device.type == "cuda":        # fewer, fatter kernels for the decode step (same weights)
         talker.model.fuse()
         talker.code_predictor.model.fuse()
+        talker.tabulate_text()
+        torch.cuda.empty_cache()     # the text embedding's memory goes back to the device
     return TTSModel(config, tokenizer, talker, _place(speaker, device, dtype),
                     _place(encoder, device, codec_dtype), _place(vocoder, device, codec_dtype),
                     device, dtype, model_dir)

@@ -203,3 +203,17 @@ def test_xvector_cases_from_reference_wav(model, golden_dir, golden_cases, golde
                                               sampling=GREEDY, max_frames=31)])
     np.testing.assert_array_equal(res.codes, z["codes_0"])
     np.testing.assert_allclose(res.wav, z["wav_0"], atol=1e-4, rtol=0)
+
+
+def test_tabulated_text_embeddings_keep_the_golden_codes(tiny_model_dir, golden_cases, golden_npz):
+    """`Talker.tabulate_text` (what a CUDA device gets at load): the same text rows, the same greedy codes."""
+    model = load_model(tiny_model_dir)
+    ids = torch.randint(0, model.config.talker.text_vocab_size, (64,), generator=torch.Generator().manual_seed(0))
+    before = model.talker.embed_text(ids)
+    model.talker.tabulate_text(chunk=10_000)     # several chunks, the last one short
+    assert model.talker.model.text_embedding is None and model.talker.text_projection is None
+    torch.testing.assert_close(model.talker.embed_text(ids), before, atol=1e-6, rtol=0)
+    for name in ("xvec_en", "icl_en"):
+        z = golden_npz(name)
+        for i, res in enumerate(synthesize(model, golden_requests(model, golden_cases[name], z))):
+            np.testing.assert_array_equal(res.codes, z[f"codes_{i}"])
