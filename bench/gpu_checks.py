@@ -4,6 +4,8 @@
   admitted together) against the eager prefill: hidden states, and the first code sampled from them;
 - vocoder windows of sizes that have no graph (decoded as a run of captured sizes) against one eager
   streaming decode of the same frames;
+- the vocoder's Triton kernels (SnakeBeta writing the next conv's context ahead of its output, the
+  residual's bias add) against the PyTorch ops they replace, on streaming windows;
 - a scheduler turn with every graph on against the same turn with none (greedy codes, audio);
 - a greedy turn before and after the KV cache's pages were handed back and taken again elsewhere;
 - the sampling kernel (Gumbel noise hashed in the kernel) against the plain ops' draws;
@@ -75,6 +77,30 @@ def vocoder_runs_vs_eager(model) -> dict:
     # the graphs use the convolution algorithms cuDNN timed fastest, eager its heuristics': bf16
     # rounding apart (bf16 against fp32: 1.7e-2 relative RMS), not more
     return dict(check="vocoder_runs_vs_eager", by_replay_batch=out, ok=all(e["rel_rms"] < 0.03 for e in out.values()))
+
+
+def vocoder_kernels_vs_torch_ops(model) -> dict:
+    from engine.model import kernels, vocoder
+    dev, b = model.device, 3
+    codes = torch.randint(0, 2048, (b, 31, 16), device=dev, generator=torch.Generator(device=dev).manual_seed(4))
+    idx = torch.arange(b, device=dev)
+
+    def windows():
+        streams, pieces, t = VocoderStreams(model.vocoder, 4), [], 0
+        for w in (3, 8, 5, 7, 1, 2, 5):
+            pieces.append(streams.decode(idx, codes[:, t:t + w]))
+            t += w
+        return torch.cat(pieces, dim=1)
+    fused = windows()
+    before = vocoder.snake_beta, vocoder.bias_residual
+    vocoder.snake_beta, vocoder.bias_residual = kernels.snake_beta_reference, kernels.bias_residual_reference
+    try:
+        plain = windows()
+    finally:
+        vocoder.snake_beta, vocoder.bias_residual = before
+    e = err(fused, plain)
+    # the kernels round once where the ops round after each of theirs: bf16 rounding apart, not more
+    return dict(check="vocoder_kernels_vs_torch_ops", **e, ok=e["rel_rms"] < 0.03)
 
 
 def scheduler_graphs_vs_eager(model) -> dict:
@@ -207,7 +233,7 @@ def main() -> int:
     args = ap.parse_args()
     model = load_model(args.model_dir, device="cuda", dtype=getattr(torch, args.dtype))
     ok = True
-    for check in (prefill_graph_vs_eager, vocoder_runs_vs_eager, scheduler_graphs_vs_eager, kv_pages_come_and_go,
+    for check in (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops, scheduler_graphs_vs_eager, kv_pages_come_and_go,
                   fused_sampling_vs_plain, dependent_launch_vs_plain, vocoder_stream_vs_steps_stream):
         row = {"peer": "qwen3-tts-server", "kind": "gpu_check", "dtype": args.dtype, **check(model)}
         ok &= row["ok"]

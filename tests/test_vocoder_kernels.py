@@ -15,13 +15,18 @@ def kernels():
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_snake_beta_matches_the_reference(kernels, with_bias):
+@pytest.mark.parametrize("n_left", [0, 54])
+def test_snake_beta_matches_the_reference(kernels, with_bias, n_left):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 1500, generator=g) * 2                     # T spans two blocks
     log_alpha, log_beta, bias = (torch.randn(3, generator=g) * 0.5 for _ in range(3))
     b = bias if with_bias else None
-    torch.testing.assert_close(kernels.snake_beta_triton(x, log_alpha, log_beta, b),
-                               kernels.snake_beta_reference(x, log_alpha, log_beta, b), atol=1e-5, rtol=1e-5)
+    left = torch.randn(2, 3, n_left, generator=g) if n_left else None   # a conv's context, copied ahead
+    out = kernels.snake_beta_triton(x, log_alpha, log_beta, b, left)
+    assert out.shape == (2, 3, n_left + 1500)
+    torch.testing.assert_close(out, kernels.snake_beta_reference(x, log_alpha, log_beta, b, left), atol=1e-5, rtol=1e-5)
+    if left is not None:
+        assert torch.equal(out[..., :n_left], left)
 
 
 def test_bias_residual_matches_the_reference(kernels):

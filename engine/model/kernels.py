@@ -82,14 +82,16 @@ def _pdl(x: torch.Tensor) -> dict:
 
 
 def snake_beta_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, left: torch.Tensor | None = None) -> torch.Tensor:
     """SnakeBeta of x [B, C, T] (plus a per-channel `bias` first, as a separate add would):
-    x + 1/(exp(beta) + 1e-9) * sin(x * exp(alpha))^2, per channel."""
+    x + 1/(exp(beta) + 1e-9) * sin(x * exp(alpha))^2, per channel; after `left` [B, C, L] if given
+    (the next conv's left context: [left, snake(x)] along time)."""
     if bias is not None:
         x = x + bias[None, :, None]
     alpha = torch.exp(log_alpha)[None, :, None]
     beta = torch.exp(log_beta)[None, :, None]
-    return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+    y = x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+    return y if left is None else torch.cat([left, y], dim=-1)
 
 
 def bias_residual_reference(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -99,19 +101,23 @@ def bias_residual_reference(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor
 
 if triton is not None:
     @triton.jit
-    def _snake_beta_kernel(x_ptr, y_ptr, a_ptr, b_ptr, bias_ptr, C, T, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)                      # one (batch, channel) row of T samples
+    def _snake_beta_kernel(x_ptr, y_ptr, a_ptr, b_ptr, bias_ptr, left_ptr, C, T, L,
+                           HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)                      # one (batch, channel) row: L samples of left, T of x
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = col < T
+        mask = col < L + T
         c = row % C
         dtype = y_ptr.dtype.element_ty
         alpha = tl.exp(tl.load(a_ptr + c).to(tl.float32))
         inv_beta = 1.0 / (tl.exp(tl.load(b_ptr + c).to(tl.float32)) + 1e-9)
-        x = tl.load(x_ptr + row * T + col, mask=mask).to(tl.float32)
+        x = tl.load(x_ptr + row * T + col - L, mask=mask & (col >= L)).to(tl.float32)
         if HAS_BIAS:                                # rounded, as the conv's own bias add rounds
             x = (x + tl.load(bias_ptr + c).to(tl.float32)).to(dtype).to(tl.float32)
         s = tl.sin(x * alpha)
-        tl.store(y_ptr + row * T + col, (x + inv_beta * s * s).to(dtype), mask=mask)
+        y = (x + inv_beta * s * s).to(dtype)
+        if HAS_LEFT:                                # copied as it is, ahead of the new samples
+            y = tl.where(col < L, tl.load(left_ptr + row * L + col, mask=mask & (col < L)), y)
+        tl.store(y_ptr + row * (L + T) + col, y, mask=mask)
 
     @triton.jit
     def _bias_residual_kernel(x_ptr, y_ptr, out_ptr, bias_ptr, C, T, BLOCK: tl.constexpr):
@@ -131,18 +137,24 @@ def _rows_grid(x: torch.Tensor, block: int) -> tuple[int, int]:
 
 
 def snake_beta(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`snake_beta_reference` in one pass over x on CUDA."""
+               bias: torch.Tensor | None = None, left: torch.Tensor | None = None) -> torch.Tensor:
+    """`snake_beta_reference` in one pass over x on CUDA (`left` copied in the same pass: no
+    concatenated copy of the whole activation for the conv after it)."""
     if triton is None or not x.is_cuda:
-        return snake_beta_reference(x, log_alpha, log_beta, bias)
-    return snake_beta_triton(x, log_alpha, log_beta, bias)
+        return snake_beta_reference(x, log_alpha, log_beta, bias, left)
+    return snake_beta_triton(x, log_alpha, log_beta, bias, left)
 
 
-def snake_beta_triton(x, log_alpha, log_beta, bias=None) -> torch.Tensor:
+def snake_beta_triton(x, log_alpha, log_beta, bias=None, left=None) -> torch.Tensor:
     x = x.contiguous()
-    y = torch.empty_like(x)
-    _snake_beta_kernel[_rows_grid(x, 1024)](x, y, log_alpha, log_beta, x if bias is None else bias, x.shape[1],
-                                            x.shape[2], HAS_BIAS=bias is not None, BLOCK=1024)
+    b, c, t = x.shape
+    n_left = 0 if left is None else left.shape[-1]
+    if left is not None:
+        left = left.contiguous()
+    y = x.new_empty(b, c, n_left + t)
+    _snake_beta_kernel[_rows_grid(y, 1024)](x, y, log_alpha, log_beta, x if bias is None else bias,
+                                            x if left is None else left, c, t, n_left,
+                                            HAS_BIAS=bias is not None, HAS_LEFT=left is not None, BLOCK=1024)
     return y
 
 

@@ -25,11 +25,17 @@ from .kernels import bias_residual, snake_beta
 UNUSED_KEYS = ("quantizer.rvq_first.input_proj.", "quantizer.rvq_rest.input_proj.")
 
 
-def _prepend_context(op: nn.Module, x: torch.Tensor, context: dict) -> torch.Tensor:
-    """[op's left context, x] along time; stores a copy of the last op.context_len samples as the
-    next context. A copy, not a view: a view would keep the whole input alive until the window ends,
-    every conv's at once (10 GiB for an 8-frame window of 256 streams on an H200)."""
-    x = torch.cat([context[op], x], dim=-1)
+def _prepend_context(op: nn.Module, x: torch.Tensor, context: dict, activation=None) -> torch.Tensor:
+    """[op's left context, activation(x)] along time; stores a copy of the last op.context_len samples
+    as the next context. A copy, not a view: a view would keep the whole input alive until the window
+    ends, every conv's at once (10 GiB for an 8-frame window of 256 streams on an H200).
+
+    activation: a SnakeBeta to apply to x, which writes the context ahead of its output in the same
+    pass (no second copy of the activation, at the decoder's highest rates its largest tensors)."""
+    if activation is None:
+        x = torch.cat([context[op], x], dim=-1)
+    else:
+        x = activation(x, left=context[op])
     context[op] = x[..., x.shape[-1] - op.context_len:].clone()
     return x
 
@@ -51,10 +57,13 @@ class CausalConv1d(nn.Module):
         self.context_len = (kernel_size - 1) * dilation
         self.context_shape = (in_channels, self.context_len)
 
-    def forward(self, x: torch.Tensor, context: dict, bias: bool = True) -> torch.Tensor:
-        """bias=False leaves the bias out (the caller adds it in a kernel it runs anyway)."""
+    def forward(self, x: torch.Tensor, context: dict, bias: bool = True, activation=None) -> torch.Tensor:
+        """bias=False leaves the bias out (the caller adds it in a kernel it runs anyway); `activation`
+        (a SnakeBeta) is applied to x first, in the pass that prepends the context."""
         if self.context_len:
-            x = _prepend_context(self, x, context)
+            x = _prepend_context(self, x, context, activation)
+        elif activation is not None:
+            x = activation(x)
         conv = self.conv
         weight, b = conv.weight, conv.bias if bias else None
         pad = MIN_CUDNN_OUT_CHANNELS - conv.out_channels
@@ -78,11 +87,14 @@ class CausalConvTranspose1d(nn.Module):
         self.context_len = math.ceil(kernel_size / stride) - 1
         self.context_shape = (in_channels, self.context_len)
 
-    def forward(self, x: torch.Tensor, context: dict) -> torch.Tensor:
-        """The kept samples, with the bias added in the same pass that makes them contiguous."""
+    def forward(self, x: torch.Tensor, context: dict, activation=None) -> torch.Tensor:
+        """The kept samples, with the bias added in the same pass that makes them contiguous;
+        `activation` as in `CausalConv1d.forward`."""
         n = x.shape[-1] * self.stride
         if self.context_len:
-            x = _prepend_context(self, x, context)
+            x = _prepend_context(self, x, context, activation)
+        elif activation is not None:
+            x = activation(x)
         first = self.context_len * self.stride            # output of the context inputs, already emitted
         y = F.conv_transpose1d(x, self.conv.weight, None, stride=self.stride)
         return y[..., first:first + n] + self.conv.bias[:, None]
@@ -96,9 +108,10 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """bias: a per-channel bias to add to x first (the preceding conv's, left out of it)."""
-        return snake_beta(x, self.alpha, self.beta, bias)
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None, left: torch.Tensor | None = None) -> torch.Tensor:
+        """bias: a per-channel bias to add to x first (the preceding conv's, left out of it); left:
+        samples [B, C, L] to put ahead of the output (the next conv's left context)."""
+        return snake_beta(x, self.alpha, self.beta, bias, left)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -128,7 +141,7 @@ class ResidualUnit(nn.Module):
 
     def forward(self, x: torch.Tensor, context: dict) -> torch.Tensor:
         """x + conv2(act2(conv1(act1(x)))), each conv's bias added by the kernel after it."""
-        h = self.act2(self.conv1(self.act1(x), context, bias=False), self.conv1.conv.bias)
+        h = self.act2(self.conv1(x, context, bias=False, activation=self.act1), self.conv1.conv.bias)
         return bias_residual(x, self.conv2(h, context, bias=False), self.conv2.conv.bias)
 
 
@@ -141,7 +154,7 @@ class DecoderBlock(nn.Module):
                                     *(ResidualUnit(out_dim, d) for d in (1, 3, 9))])
 
     def forward(self, x: torch.Tensor, context: dict) -> torch.Tensor:
-        x = self.block[1](self.block[0](x), context)
+        x = self.block[1](x, context, activation=self.block[0])
         for unit in self.block[2:]:
             x = unit(x, context)
         return x
@@ -316,7 +329,7 @@ class Vocoder(nn.Module):
         h = self.decoder[0](h, context)
         for block in self.decoder[1:-2]:
             h = block(h, context)
-        wav = self.decoder[-1](self.decoder[-2](h), context)
+        wav = self.decoder[-1](h, context, activation=self.decoder[-2])
         return wav.squeeze(1).clamp(min=-1, max=1)
 
     @torch.no_grad()
