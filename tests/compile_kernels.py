@@ -71,7 +71,7 @@ def main() -> None:
         for bias in (False, True):
             for left in (False, True):
                 build(k._snake_beta_kernel, dict(x_ptr=p, y_ptr=p, a_ptr=p, b_ptr=p, bias_ptr=p, left_ptr=p,
-                                                 C="i32", T="i32", L="i32"),
+                                                 C="i32", T="i32", L="i32", stride_left="i32"),
                       dict(HAS_BIAS=bias, HAS_LEFT=left, BLOCK=1024))
         build(k._bias_residual_kernel, dict(x_ptr=p, y_ptr=p, out_ptr=p, bias_ptr=p, C="i32", T="i32"), dict(BLOCK=1024))
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",

@@ -181,7 +181,7 @@ def test_bf16_keeps_fp32_rope_and_streams(vocoder, random_codes):
     assert v.pre_transformer.inv_freq.dtype == torch.float32
     torch.testing.assert_close(v.pre_transformer.inv_freq, vocoder.pre_transformer.inv_freq, rtol=0, atol=0)
     streams = VocoderStreams(v, 2)
-    assert all(buf.dtype == torch.bfloat16 for buf in streams.context.values())
+    assert streams.state.dtype == torch.bfloat16
     wav = streams.decode(torch.tensor([0, 1]), torch.stack([random_codes[:2], random_codes[2:4]]))
     assert wav.dtype == torch.float32 and wav.shape == (2, 2 * SPF)
     assert torch.isfinite(wav).all() and wav.abs().max().item() <= 1.0
@@ -199,6 +199,8 @@ def test_stream_state_of_the_12hz_decoder_is_under_a_megabyte():
     attention = {op: buf for op, buf in context.items() if hasattr(op, "q_proj")}
     assert [buf.shape for buf in attention.values()] == [(1, 71, 512)] * 8
     assert sum(buf.numel() * buf.element_size() for buf in context.values()) == 852_096
+    streams = VocoderStreams(v, 256)
+    assert len(streams.ops) == 29 and streams.state.shape == (257, 852_096 // 2)   # one row a stream, + a spare
 
 
 class ReplayOnCPU:

@@ -101,7 +101,7 @@ def bias_residual_reference(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor
 
 if triton is not None:
     @triton.jit
-    def _snake_beta_kernel(x_ptr, y_ptr, a_ptr, b_ptr, bias_ptr, left_ptr, C, T, L,
+    def _snake_beta_kernel(x_ptr, y_ptr, a_ptr, b_ptr, bias_ptr, left_ptr, C, T, L, stride_left,
                            HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)                      # one (batch, channel) row: L samples of left, T of x
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -116,7 +116,8 @@ if triton is not None:
         s = tl.sin(x * alpha)
         y = (x + inv_beta * s * s).to(dtype)
         if HAS_LEFT:                                # copied as it is, ahead of the new samples
-            y = tl.where(col < L, tl.load(left_ptr + row * L + col, mask=mask & (col < L)), y)
+            left = tl.load(left_ptr + (row // C) * stride_left + c * L + col, mask=mask & (col < L))
+            y = tl.where(col < L, left, y)
         tl.store(y_ptr + row * (L + T) + col, y, mask=mask)
 
     @triton.jit
@@ -149,11 +150,12 @@ def snake_beta_triton(x, log_alpha, log_beta, bias=None, left=None) -> torch.Ten
     x = x.contiguous()
     b, c, t = x.shape
     n_left = 0 if left is None else left.shape[-1]
-    if left is not None:
+    if left is not None and left[0].stride() != (n_left, 1):     # rows of a stream's state are [C, L] blocks
         left = left.contiguous()
     y = x.new_empty(b, c, n_left + t)
     _snake_beta_kernel[_rows_grid(y, 1024)](x, y, log_alpha, log_beta, x if bias is None else bias,
                                             x if left is None else left, c, t, n_left,
+                                            0 if left is None else left.stride(0),
                                             HAS_BIAS=bias is not None, HAS_LEFT=left is not None, BLOCK=1024)
     return y
 

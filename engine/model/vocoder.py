@@ -362,13 +362,15 @@ class Vocoder(nn.Module):
 
 
 class VocoderStreams:
-    """Streaming decode state of up to `max_streams` streams in preallocated slot-indexed tensors.
+    """Streaming decode state of up to `max_streams` streams, preallocated and slot-indexed.
 
-    Slot s holds, for stream s, every op's left context and its frame count (which of the
-    attention's context frames are real). `decode` advances several streams by the same W frames in one batched call; the audio
-    of a stream, concatenated over its windows of any sizes, equals `Vocoder.decode_unchunked` of all
-    its frames. The call has static shapes per (batch, W) and no host sync, so it can be captured in
-    a CUDA graph; rows padding a batch to a captured size use `pad_slot`, a spare slot nobody owns.
+    Row s of `state` holds stream s's left context of every op that has one, side by side (a
+    window's gather and write-back, and a slot's reset, are one kernel each, not one per op: 29 on
+    the 12 Hz decoder); `frames` counts its frames (which of the attention's context frames are
+    real). `decode` advances several streams by the same W frames in one batched call; the audio of a
+    stream, concatenated over its windows of any sizes, equals `Vocoder.decode_unchunked` of all its
+    frames. The call has static shapes per (batch, W) and no host sync, so it can be captured in a
+    CUDA graph; rows padding a batch to a captured size use `pad_slot`, a spare slot nobody owns.
     A slot must not appear twice in one call.
     """
 
@@ -376,36 +378,38 @@ class VocoderStreams:
         self.vocoder = vocoder
         self.max_streams = max_streams
         self.pad_slot = max_streams
-        self.context = vocoder.initial_context(max_streams + 1)
-        self.frames = torch.zeros(max_streams + 1, dtype=torch.long, device=vocoder.pre_conv.conv.weight.device)
+        self.ops = [m for m in vocoder.modules() if getattr(m, "context_len", 0) > 0]
+        self.offsets = [0]
+        for op in self.ops:
+            self.offsets.append(self.offsets[-1] + math.prod(op.context_shape))
+        p = vocoder.pre_conv.conv.weight
+        self.state = torch.zeros(max_streams + 1, self.offsets[-1], dtype=p.dtype, device=p.device)
+        self.frames = torch.zeros(max_streams + 1, dtype=torch.long, device=p.device)
 
     def reset(self, slots: torch.Tensor) -> None:
         """Forget the streams in `slots`: they restart as if no frame had been decoded."""
-        for buf in self.context.values():
-            buf.index_fill_(0, slots, 0)
+        self.state.index_fill_(0, slots, 0)
         self.frames.index_fill_(0, slots, 0)
 
     @torch.no_grad()
     def decode(self, slots: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """Next W frames of each stream: slots [B] long, codes [B, W, 16] -> fp32 wav [B, W*1920]."""
-        context = {op: buf.index_select(0, slots) for op, buf in self.context.items()}
+        rows = self.state.index_select(0, slots)
+        context = {op: rows[:, a:b].view(-1, *op.context_shape)        # views of the gathered rows
+                   for op, a, b in zip(self.ops, self.offsets, self.offsets[1:])}
         start = self.frames.index_select(0, slots)
         wav = self.vocoder(codes, start, context)
-        for op, buf in self.context.items():
-            buf.index_copy_(0, slots, context[op])
+        self.state.index_copy_(0, slots, torch.cat([context[op].reshape(len(slots), -1) for op in self.ops], dim=1))
         self.frames.index_copy_(0, slots, start + codes.shape[1])
         return wav.float()
 
-    def snapshot(self, slot: int) -> tuple[dict, torch.Tensor]:
+    def snapshot(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of stream `slot`'s state: every op's context, and its frame count."""
-        return {op: buf[slot].clone() for op, buf in self.context.items()}, self.frames[slot].clone()
+        return self.state[slot].clone(), self.frames[slot].clone()
 
-    def restore(self, slots: torch.Tensor, snapshot: tuple[dict, torch.Tensor]) -> None:
+    def restore(self, slots: torch.Tensor, snapshot: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Streams `slots` continue from a `snapshot`'s state."""
-        contexts, frames = snapshot
-        for op, buf in self.context.items():
-            buf[slots] = contexts[op]
-        self.frames[slots] = frames
+        self.state[slots], self.frames[slots] = snapshot
 
     def prime(self, slots: torch.Tensor, context_codes: torch.Tensor) -> None:
         """Start streams from context frames (an ICL session's reference codes [B, T_ref, 16]):
