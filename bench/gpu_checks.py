@@ -4,8 +4,9 @@
   admitted together) against the eager prefill: hidden states, and the first code sampled from them;
 - vocoder windows of sizes that have no graph (decoded as a run of captured sizes) against one eager
   streaming decode of the same frames;
-- the vocoder's Triton kernels (SnakeBeta writing the next conv's context ahead of its output, the
-  residual's bias add) against the PyTorch ops they replace, on streaming windows;
+- the vocoder's Triton kernels (SnakeBeta writing the next conv's context ahead of its output, a
+  residual unit's SnakeBeta + 1x1 conv + residual add) against the PyTorch ops they replace, on
+  streaming windows;
 - a scheduler turn with every graph on against the same turn with none (greedy codes, audio);
 - a greedy turn before and after the KV cache's pages were handed back and taken again elsewhere;
 - the sampling kernel (Gumbel noise hashed in the kernel) against the plain ops' draws;
@@ -92,12 +93,12 @@ def vocoder_kernels_vs_torch_ops(model) -> dict:
             t += w
         return torch.cat(pieces, dim=1)
     fused = windows()
-    before = vocoder.snake_beta, vocoder.bias_residual
-    vocoder.snake_beta, vocoder.bias_residual = kernels.snake_beta_reference, kernels.bias_residual_reference
+    before = vocoder.snake_beta, vocoder.residual_tail
+    vocoder.snake_beta, vocoder.residual_tail = kernels.snake_beta_reference, kernels.residual_tail_reference
     try:
         plain = windows()
     finally:
-        vocoder.snake_beta, vocoder.bias_residual = before
+        vocoder.snake_beta, vocoder.residual_tail = before
     e = err(fused, plain)
     # the kernels round once where the ops round after each of theirs: bf16 rounding apart, not more
     return dict(check="vocoder_kernels_vs_torch_ops", **e, ok=e["rel_rms"] < 0.03)

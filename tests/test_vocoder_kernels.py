@@ -30,9 +30,14 @@ def test_snake_beta_matches_the_reference(kernels, with_bias, n_left):
         assert torch.equal(out[..., :n_left], left)
 
 
-def test_bias_residual_matches_the_reference(kernels):
+@pytest.mark.parametrize("channels, samples", [(96, 150), (40, 64), (8, 7)])
+def test_residual_tail_matches_the_reference(kernels, channels, samples):
+    """SnakeBeta (with the dilated conv's bias), the 1x1 conv and its bias, the residual add: one
+    kernel, tiles of 128 channels by 64 samples (partial ones at every edge here) in 32-channel steps."""
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(2, 3, 1500, generator=g), torch.randn(2, 3, 1500, generator=g)
-    bias = torch.randn(3, generator=g)
-    torch.testing.assert_close(kernels.bias_residual_triton(x, y, bias), kernels.bias_residual_reference(x, y, bias),
-                               atol=1e-6, rtol=1e-6)
+    x, y = (torch.randn(2, channels, samples, generator=g) for _ in range(2))
+    log_alpha, log_beta, y_bias, bias = (torch.randn(channels, generator=g) * 0.5 for _ in range(4))
+    weight = torch.randn(channels, channels, 1, generator=g) / channels ** 0.5
+    torch.testing.assert_close(kernels.residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias),
+                               kernels.residual_tail_reference(x, y, log_alpha, log_beta, y_bias, weight, bias),
+                               atol=1e-5, rtol=1e-5)

@@ -2,8 +2,9 @@
 
 - SnakeBeta is ~56% of the vocoder's GPU time as four separate elementwise kernels (PERF_NOTES.md);
   one Triton kernel reads x once and writes y once. At many streams the vocoder is bound by passes
-  over its high-rate activations: a residual unit's conv biases are added in the kernels that read
-  the conv outputs anyway (the SnakeBeta after the first conv, the residual add after the second).
+  over its high-rate activations: a SnakeBeta writes the next conv's left context ahead of its
+  output (no concatenated copy), and a residual unit's second SnakeBeta, 1x1 conv and residual add
+  (with both convs' biases) are one kernel, `residual_tail`.
 - QK-norm + RoPE: per attention layer, RMSNorm of each q and k head followed by rotate-half RoPE is
   ~12 small kernels; one kernel per tensor does both (the prefill path).
 - The decode step (1 talker + 15 code-predictor forwards of 1-2 positions, 103 layers per frame) is
@@ -94,12 +95,26 @@ def snake_beta_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: tor
     return y if left is None else torch.cat([left, y], dim=-1)
 
 
-def bias_residual_reference(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """x + (y + bias[c]) for [B, C, T] tensors: a residual branch's conv output y without its bias."""
-    return x + (y + bias[None, :, None])
+def residual_tail_reference(x: torch.Tensor, y: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
+                            y_bias: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The end of a vocoder residual unit, x + conv1x1(SnakeBeta(y + y_bias)) + bias, for x and y
+    [B, C, T] (y: the unit's dilated conv output, its bias `y_bias` left out) and the 1x1 conv's
+    weight [C, C, 1] and bias [C]; each bias added as the separate ops would add it."""
+    h = snake_beta_reference(y, log_alpha, log_beta, y_bias)
+    return x + (F.conv1d(h, weight) + bias[None, :, None])
 
 
 if triton is not None:
+    @triton.jit
+    def _snake(x, log_alpha, log_beta, bias, HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
+        """SnakeBeta of fp32 x (a per-channel bias added first, rounded as the conv's own bias add
+        rounds), rounded to `dtype`; the per-channel parameters broadcast against x."""
+        if HAS_BIAS:
+            x = (x + bias.to(tl.float32)).to(dtype).to(tl.float32)
+        inv_beta = 1.0 / (tl.exp(log_beta.to(tl.float32)) + 1e-9)
+        s = tl.sin(x * tl.exp(log_alpha.to(tl.float32)))
+        return (x + inv_beta * s * s).to(dtype)
+
     @triton.jit
     def _snake_beta_kernel(x_ptr, y_ptr, a_ptr, b_ptr, bias_ptr, left_ptr, C, T, L, stride_left,
                            HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, BLOCK: tl.constexpr):
@@ -107,34 +122,41 @@ if triton is not None:
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < L + T
         c = row % C
-        dtype = y_ptr.dtype.element_ty
-        alpha = tl.exp(tl.load(a_ptr + c).to(tl.float32))
-        inv_beta = 1.0 / (tl.exp(tl.load(b_ptr + c).to(tl.float32)) + 1e-9)
         x = tl.load(x_ptr + row * T + col - L, mask=mask & (col >= L)).to(tl.float32)
-        if HAS_BIAS:                                # rounded, as the conv's own bias add rounds
-            x = (x + tl.load(bias_ptr + c).to(tl.float32)).to(dtype).to(tl.float32)
-        s = tl.sin(x * alpha)
-        y = (x + inv_beta * s * s).to(dtype)
+        y = _snake(x, tl.load(a_ptr + c), tl.load(b_ptr + c), tl.load(bias_ptr + c), HAS_BIAS, y_ptr.dtype.element_ty)
         if HAS_LEFT:                                # copied as it is, ahead of the new samples
             left = tl.load(left_ptr + (row // C) * stride_left + c * L + col, mask=mask & (col < L))
             y = tl.where(col < L, left, y)
         tl.store(y_ptr + row * (L + T) + col, y, mask=mask)
 
     @triton.jit
-    def _bias_residual_kernel(x_ptr, y_ptr, out_ptr, bias_ptr, C, T, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = col < T
+    def _residual_tail_kernel(x_ptr, y_ptr, out_ptr, a_ptr, b_ptr, y_bias_ptr, w_ptr, bias_ptr, C, T,
+                              BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_T: tl.constexpr,
+                              IEEE: tl.constexpr):
+        """A [BLOCK_CO channels, BLOCK_T samples] tile of one stream's output: the SnakeBeta of y's
+        tile, channel block by channel block, into the 1x1 conv's GEMM (tensor cores), then its bias
+        and the residual x. y and x are read once, out written once (the separate ops: 3 passes)."""
         dtype = out_ptr.dtype.element_ty
-        y = tl.load(y_ptr + row * T + col, mask=mask).to(tl.float32)
-        y = (y + tl.load(bias_ptr + row % C).to(tl.float32)).to(dtype).to(tl.float32)
-        x = tl.load(x_ptr + row * T + col, mask=mask).to(tl.float32)
-        tl.store(out_ptr + row * T + col, (x + y).to(dtype), mask=mask)
-
-
-def _rows_grid(x: torch.Tensor, block: int) -> tuple[int, int]:
-    b, c, t = x.shape
-    return b * c, triton.cdiv(t, block)
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        co = tl.program_id(1) * BLOCK_CO + tl.arange(0, BLOCK_CO)
+        base = tl.program_id(2).to(tl.int64) * C * T
+        acc = tl.zeros([BLOCK_CO, BLOCK_T], tl.float32)
+        for ci0 in range(0, C, BLOCK_CI):
+            ci = ci0 + tl.arange(0, BLOCK_CI)
+            cm = ci < C
+            y = tl.load(y_ptr + base + ci[:, None] * T + t[None, :], mask=cm[:, None] & (t[None, :] < T), other=0.0)
+            h = _snake(y.to(tl.float32), tl.load(a_ptr + ci, mask=cm, other=0.0)[:, None],
+                       tl.load(b_ptr + ci, mask=cm, other=0.0)[:, None],
+                       tl.load(y_bias_ptr + ci, mask=cm, other=0.0)[:, None], True, dtype)
+            w = tl.load(w_ptr + co[:, None] * C + ci[None, :], mask=(co[:, None] < C) & cm[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(w, h, input_precision="ieee")
+            else:
+                acc += tl.dot(w, h)
+        mask = (co[:, None] < C) & (t[None, :] < T)
+        conv = acc.to(dtype).to(tl.float32) + tl.load(bias_ptr + co, mask=co < C, other=0.0).to(tl.float32)[:, None]
+        x = tl.load(x_ptr + base + co[:, None] * T + t[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + base + co[:, None] * T + t[None, :], (x + conv.to(dtype).to(tl.float32)).to(dtype), mask=mask)
 
 
 def snake_beta(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
@@ -153,24 +175,32 @@ def snake_beta_triton(x, log_alpha, log_beta, bias=None, left=None) -> torch.Ten
     if left is not None and left[0].stride() != (n_left, 1):     # rows of a stream's state are [C, L] blocks
         left = left.contiguous()
     y = x.new_empty(b, c, n_left + t)
-    _snake_beta_kernel[_rows_grid(y, 1024)](x, y, log_alpha, log_beta, x if bias is None else bias,
+    _snake_beta_kernel[(b * c, triton.cdiv(n_left + t, 1024))](x, y, log_alpha, log_beta, x if bias is None else bias,
                                             x if left is None else left, c, t, n_left,
                                             0 if left is None else left.stride(0),
                                             HAS_BIAS=bias is not None, HAS_LEFT=left is not None, BLOCK=1024)
     return y
 
 
-def bias_residual(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """`bias_residual_reference` in one pass on CUDA (instead of the bias add's pass, then the add's)."""
+def residual_tail(x: torch.Tensor, y: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
+                  y_bias: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """`residual_tail_reference` in one kernel on CUDA: at the decoder's high rates a residual unit's
+    SnakeBeta, 1x1 conv and residual add each made a pass over its largest activations (with cuDNN's
+    layout conversions around the conv); this reads y and x once and writes the output once."""
     if triton is None or not x.is_cuda:
-        return bias_residual_reference(x, y, bias)
-    return bias_residual_triton(x, y, bias)
+        return residual_tail_reference(x, y, log_alpha, log_beta, y_bias, weight, bias)
+    return residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias)
 
 
-def bias_residual_triton(x, y, bias) -> torch.Tensor:
+def residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias) -> torch.Tensor:
     x, y = x.contiguous(), y.contiguous()
+    b, c, t = x.shape
     out = torch.empty_like(x)
-    _bias_residual_kernel[_rows_grid(x, 1024)](x, y, out, bias, x.shape[1], x.shape[2], BLOCK=1024)
+    block_co = min(128, max(16, triton.next_power_of_2(c)))
+    grid = (triton.cdiv(t, 64), triton.cdiv(c, block_co), b)
+    _residual_tail_kernel[grid](x, y, out, log_alpha, log_beta, y_bias, weight.reshape(c, c), bias, c, t,
+                                BLOCK_CO=block_co, BLOCK_CI=32, BLOCK_T=64, IEEE=x.dtype == torch.float32,
+                                num_warps=4, num_stages=3)
     return out
 
 

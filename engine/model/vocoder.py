@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import DecoderConfig
 from .layers import LayerScale, RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
-from .kernels import bias_residual, snake_beta
+from .kernels import residual_tail, snake_beta
 
 # Checkpoint tensors the decode path never reads (the RVQ input projections serve encoding only);
 # pass to `engine.weights.warn_unused(..., ignore_prefixes=...)` with the "decoder." prefix.
@@ -140,9 +140,11 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv1d(dim, dim, 1)
 
     def forward(self, x: torch.Tensor, context: dict) -> torch.Tensor:
-        """x + conv2(act2(conv1(act1(x)))), each conv's bias added by the kernel after it."""
-        h = self.act2(self.conv1(x, context, bias=False, activation=self.act1), self.conv1.conv.bias)
-        return bias_residual(x, self.conv2(h, context, bias=False), self.conv2.conv.bias)
+        """x + conv2(act2(conv1(act1(x)))): act1 in the pass that prepends conv1's context, the rest
+        (conv1's bias, act2, the 1x1 conv2 and its bias, the residual add) one kernel on CUDA."""
+        y = self.conv1(x, context, bias=False, activation=self.act1)
+        return residual_tail(x, y, self.act2.alpha, self.act2.beta, self.conv1.conv.bias,
+                             self.conv2.conv.weight, self.conv2.conv.bias)
 
 
 class DecoderBlock(nn.Module):
