@@ -203,6 +203,21 @@ def test_stream_state_of_the_12hz_decoder_is_under_a_megabyte():
     assert len(streams.ops) == 29 and streams.state.shape == (257, 852_096 // 2)   # one row a stream, + a spare
 
 
+def test_window_activations_of_the_12hz_decoder():
+    """The most activation memory alive at once in an 8-frame window of 64 streams (what the vocoder
+    graphs' pool must hold), modeled on the meta device: three tensors of the highest rate
+    (64 x 96 x 15,360 bf16, 180 MiB each: a residual unit's input, its conv's input and output) and
+    the gathered stream state. A copy more of any of them (a concatenated context, a block's input
+    held to its end) shows here; with both, as before, it was 0.99 GiB."""
+    from bench.activation_peak import window_peak
+    from engine.model import vocoder as vocoder_module
+    kernels = vocoder_module.snake_beta, vocoder_module.residual_tail
+    live = window_peak(Path(__file__).parents[1] / "engine" / "testing" / "configs" / "0.6b", 64, 8)
+    assert (vocoder_module.snake_beta, vocoder_module.residual_tail) == kernels     # put back
+    assert 0.60 * 2**30 < live.peak < 0.65 * 2**30
+    assert sorted(shape for _, shape, _ in live.at_peak[:3]) == [(64, 96, 15360), (64, 96, 15360), (64, 96, 15414)]
+
+
 class ReplayOnCPU:
     """What a captured CUDA graph does, on the CPU: each replay reruns the captured call on the same
     static input buffers and writes into the same output tensor (the next replay overwrites it)."""

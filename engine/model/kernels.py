@@ -116,13 +116,14 @@ if triton is not None:
         return (x + inv_beta * s * s).to(dtype)
 
     @triton.jit
-    def _snake_beta_kernel(x_ptr, y_ptr, a_ptr, b_ptr, bias_ptr, left_ptr, C, T, L, stride_left,
-                           HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, BLOCK: tl.constexpr):
+    def _snake_beta_kernel(x_ptr, y_ptr, a_ptr, b_ptr, bias_ptr, left_ptr, C, T, L, stride_xb, stride_xc,
+                           stride_left, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)                      # one (batch, channel) row: L samples of left, T of x
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < L + T
         c = row % C
-        x = tl.load(x_ptr + row * T + col - L, mask=mask & (col >= L)).to(tl.float32)
+        x_row = x_ptr + (row // C).to(tl.int64) * stride_xb + c * stride_xc
+        x = tl.load(x_row + col - L, mask=mask & (col >= L)).to(tl.float32)
         y = _snake(x, tl.load(a_ptr + c), tl.load(b_ptr + c), tl.load(bias_ptr + c), HAS_BIAS, y_ptr.dtype.element_ty)
         if HAS_LEFT:                                # copied as it is, ahead of the new samples
             left = tl.load(left_ptr + (row // C) * stride_left + c * L + col, mask=mask & (col < L))
@@ -131,7 +132,7 @@ if triton is not None:
 
     @triton.jit
     def _residual_tail_kernel(x_ptr, y_ptr, out_ptr, a_ptr, b_ptr, y_bias_ptr, w_ptr, bias_ptr, C, T,
-                              BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_T: tl.constexpr,
+                              stride_xb, stride_xc, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_T: tl.constexpr,
                               IEEE: tl.constexpr):
         """A [BLOCK_CO channels, BLOCK_T samples] tile of one stream's output: the SnakeBeta of y's
         tile, channel block by channel block, into the 1x1 conv's GEMM (tensor cores), then its bias
@@ -155,7 +156,8 @@ if triton is not None:
                 acc += tl.dot(w, h)
         mask = (co[:, None] < C) & (t[None, :] < T)
         conv = acc.to(dtype).to(tl.float32) + tl.load(bias_ptr + co, mask=co < C, other=0.0).to(tl.float32)[:, None]
-        x = tl.load(x_ptr + base + co[:, None] * T + t[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_rows = x_ptr + tl.program_id(2).to(tl.int64) * stride_xb + co[:, None] * stride_xc
+        x = tl.load(x_rows + t[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + base + co[:, None] * T + t[None, :], (x + conv.to(dtype).to(tl.float32)).to(dtype), mask=mask)
 
 
@@ -168,15 +170,20 @@ def snake_beta(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
     return snake_beta_triton(x, log_alpha, log_beta, bias, left)
 
 
+def _rows_of_samples(x: torch.Tensor) -> torch.Tensor:
+    """x [B, C, T] with each row's samples adjacent (a slice along time is read in place), else a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def snake_beta_triton(x, log_alpha, log_beta, bias=None, left=None) -> torch.Tensor:
-    x = x.contiguous()
+    x = _rows_of_samples(x)
     b, c, t = x.shape
     n_left = 0 if left is None else left.shape[-1]
     if left is not None and left[0].stride() != (n_left, 1):     # rows of a stream's state are [C, L] blocks
         left = left.contiguous()
     y = x.new_empty(b, c, n_left + t)
     _snake_beta_kernel[(b * c, triton.cdiv(n_left + t, 1024))](x, y, log_alpha, log_beta, x if bias is None else bias,
-                                            x if left is None else left, c, t, n_left,
+                                            x if left is None else left, c, t, n_left, x.stride(0), x.stride(1),
                                             0 if left is None else left.stride(0),
                                             HAS_BIAS=bias is not None, HAS_LEFT=left is not None, BLOCK=1024)
     return y
@@ -193,13 +200,13 @@ def residual_tail(x: torch.Tensor, y: torch.Tensor, log_alpha: torch.Tensor, log
 
 
 def residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias) -> torch.Tensor:
-    x, y = x.contiguous(), y.contiguous()
+    x, y = _rows_of_samples(x), y.contiguous()
     b, c, t = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty_like(y)
     block_co = min(128, max(16, triton.next_power_of_2(c)))
     grid = (triton.cdiv(t, 64), triton.cdiv(c, block_co), b)
     _residual_tail_kernel[grid](x, y, out, log_alpha, log_beta, y_bias, weight.reshape(c, c), bias, c, t,
-                                BLOCK_CO=block_co, BLOCK_CI=32, BLOCK_T=64, IEEE=x.dtype == torch.float32,
+                                x.stride(0), x.stride(1), BLOCK_CO=block_co, BLOCK_CI=32, BLOCK_T=64, IEEE=x.dtype == torch.float32,
                                 num_warps=4, num_stages=3)
     return out
 
