@@ -336,7 +336,7 @@ class Vocoder(nn.Module):
         h = self.decoder[0](h, context)
         for block in self.decoder[1:-2]:
             h = block.upsample(h, context)
-            for unit in block.units:
+            for unit in block.units:     # each unit's input is let go once it returns (`DecoderBlock`)
                 h = unit(h, context)
         wav = self.decoder[-1](h, context, activation=self.decoder[-2])
         return wav.squeeze(1).clamp(min=-1, max=1)
