@@ -233,27 +233,32 @@ class DecoderStack(nn.Module):
         self.fused_decode = (enabled and kernels.triton is not None and self.norm.weight.is_cuda
                              and kernels.decode_attention_supports(attn.head_dim))
 
-    def forward(self, x, cache, start, slots=None, kmax=None):
+    def forward(self, x, cache, start, slots=None, kmax=None, final_norm: bool = True):
         """x [B,T,D] at positions start[b]..start[b]+T-1 of slot slots[b] (row b when None).
 
-        Returns the final-normed hidden states [B,T,D]. Attention covers keys 0..kmax-1 (default: the
+        Returns the final-normed hidden states [B,T,D] (without the final norm if not `final_norm`:
+        `head(..., normed=False)` applies it). Attention covers keys 0..kmax-1 (default: the
         whole cache capacity); kmax must exceed max(start)+T-1 for the rows whose outputs are used.
         """
         t = x.shape[1]
         if self.fused_decode and slots is None and t <= 2:
-            return self._decode(x, cache, start)
+            x = self._decode(x, cache, start)
+            return rms_norm(x, self.norm.weight, self.norm.eps) if final_norm else x
         kmax = cache.capacity if kmax is None else kmax
         positions = start[:, None] + torch.arange(t, device=start.device)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         mask = causal_mask(start, t, kmax)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, i, start, slots, mask)
-        return self.norm(x)
+        return self.norm(x) if final_norm else x
 
-    def head(self, hidden: torch.Tensor, head: nn.Linear) -> torch.Tensor:
-        """An output head (no bias) on final hidden states: on the fused decode path the skinny GEMM
-        kernel, launched like the layers' (`kernels.linear`), else the module."""
-        return linear(hidden, head.weight) if self.fused_decode else head(hidden)
+    def head(self, hidden: torch.Tensor, head: nn.Linear, normed: bool = True) -> torch.Tensor:
+        """An output head (no bias) on final hidden states, or on hidden states not yet final-normed
+        (`normed=False`): on the fused decode path the skinny GEMM kernel, launched like the layers'
+        (`kernels.linear`), with the norm folded in, else the modules."""
+        if self.fused_decode:
+            return linear(hidden, head.weight, None if normed else self.norm.weight, self.norm.eps)
+        return head(hidden if normed else self.norm(hidden))
 
     def embed(self, ids: torch.Tensor, table: nn.Embedding) -> torch.Tensor:
         """A token embedding lookup ids [B] -> [B, D]: on the fused decode path a kernel launched like
@@ -261,9 +266,10 @@ class DecoderStack(nn.Module):
         return kernels.embedding(ids, table.weight) if self.fused_decode else table(ids)
 
     def _decode(self, x, cache, start):
-        """`forward` for decode steps (rows = slots 0..B-1, T <= 2): the same math in 5 kernels a
-        layer at up to 16 rows (10 beyond), the norms, gate and residual adds folded into the GEMMs and
-        the attention core in one kernel. Attention reads each row's live keys: kmax plays no part."""
+        """The layers of `forward` for decode steps (rows = slots 0..B-1, T <= 2): the same math in 5
+        kernels a layer at up to 16 rows (10 beyond), the norms, gate and residual adds folded into the
+        GEMMs and the attention core in one kernel. Attention reads each row's live keys: kmax plays
+        no part."""
         for i, layer in enumerate(self.layers):
             x = layer.decode(x, cache, i, start, self.inv_freq)
-        return rms_norm(x, self.norm.weight, self.norm.eps)
+        return x

@@ -69,8 +69,9 @@ class CodePredictor(nn.Module):
         start = positions[0]
         codes = []
         for step in range(1, self.num_steps + 1):
-            hidden = self.model(x, cache, start, kmax=step + 1)
-            ids = sample_fn(self.model.head(hidden[:, -1], self.lm_head[step - 1]), step)
+            # the final norm of the one position the head reads, folded into the head's GEMM
+            hidden = self.model(x, cache, start, kmax=step + 1, final_norm=False)
+            ids = sample_fn(self.model.head(hidden[:, -1], self.lm_head[step - 1], normed=False), step)
             codes.append(ids)
             if step < self.num_steps:
                 x = self.model.embed(ids, self.model.codec_embedding[step - 1])[:, None]
