@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=8, help="frames a window")
     args = ap.parse_args()
     live = window_peak(args.model_dir, args.batch, args.window)
-    print(f"{args.batch} streams, {args.window}-frame window, bf16: at most {live.peak / 2**30:.3f} GiB of "
+    print(f"{args.batch} streams, {args.window}-frame window, bf16: at most {live.peak / 2**20:.1f} MiB of "
           f"tensors alive at once; the largest then:")
     for nbytes, shape, op in live.at_peak:
         print(f"  {nbytes / 2**20:8.1f} MiB  {list(shape)}  ({op})")
