@@ -74,9 +74,12 @@ def main() -> None:
                                                  C="i32", T="i32", L="i32", stride_xb="i32", stride_xc="i32",
                                                  stride_left="i32"),
                       dict(HAS_BIAS=bias, HAS_LEFT=left, BLOCK=1024))
-        build(k._residual_tail_kernel, dict(x_ptr=p, y_ptr=p, out_ptr=p, a_ptr=p, b_ptr=p, y_bias_ptr=p, w_ptr=p,
-                                            bias_ptr=p, C="i32", T="i32", stride_xb="i32", stride_xc="i32"),
-              dict(BLOCK_CO=128, BLOCK_CI=32, BLOCK_T=64, IEEE=dtype == "fp32"), num_warps=4, num_stages=3)
+        # every config `residual_tail` may time and pick (bf16); the first in fp32
+        for c in k.RESIDUAL_TAIL_CONFIGS[:None if dtype == "bf16" else 1]:
+            build(k._residual_tail_kernel, dict(x_ptr=p, y_ptr=p, out_ptr=p, a_ptr=p, b_ptr=p, y_bias_ptr=p, w_ptr=p,
+                                                bias_ptr=p, C="i32", T="i32", stride_xb="i32", stride_xc="i32"),
+                  dict(BLOCK_CO=c["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=c["BLOCK_T"], IEEE=dtype == "fp32"),
+                  num_warps=c["num_warps"], num_stages=3)
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
     # fp32 logits (the talker's, after its logits processor) and bf16 (the code predictor's head)

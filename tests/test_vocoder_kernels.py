@@ -31,15 +31,18 @@ def test_snake_beta_matches_the_reference(kernels, with_bias, n_left):
         assert torch.equal(out[..., :n_left], left)
 
 
-@pytest.mark.parametrize("channels, samples", [(96, 150), (40, 64), (8, 7)])
-def test_residual_tail_matches_the_reference(kernels, channels, samples):
+@pytest.mark.parametrize("channels, samples", [(96, 150), (40, 64), (8, 7), (160, 130)])
+@pytest.mark.parametrize("config", range(4))
+def test_residual_tail_matches_the_reference(kernels, channels, samples, config):
     """SnakeBeta (with the dilated conv's bias), the 1x1 conv and its bias, the residual add: one
-    kernel, tiles of 128 channels by 64 samples (partial ones at every edge here) in 32-channel steps."""
+    kernel, in tiles of each config's channels by samples (partial ones at every edge here), in
+    32-channel steps."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, channels, samples + 6, generator=g)[..., 3:-3]   # a slice along time, read in place
     y = torch.randn(2, channels, samples, generator=g)
     log_alpha, log_beta, y_bias, bias = (torch.randn(channels, generator=g) * 0.5 for _ in range(4))
     weight = torch.randn(channels, channels, 1, generator=g) / channels ** 0.5
-    torch.testing.assert_close(kernels.residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias),
+    cfg = kernels.RESIDUAL_TAIL_CONFIGS[config]
+    torch.testing.assert_close(kernels.residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, cfg),
                                kernels.residual_tail_reference(x, y, log_alpha, log_beta, y_bias, weight, bias),
                                atol=1e-5, rtol=1e-5)

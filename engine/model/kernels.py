@@ -199,15 +199,35 @@ def residual_tail(x: torch.Tensor, y: torch.Tensor, log_alpha: torch.Tensor, log
     return residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias)
 
 
-def residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias) -> torch.Tensor:
+# Launch configs `residual_tail` times per shape (the first is taken untimed): tiles of BLOCK_CO output
+# channels by BLOCK_T samples. A tile computes the SnakeBeta of every input channel once, so a block
+# of 256 channels computes it half as often as one of 128 where channels are many (the low rates).
+RESIDUAL_TAIL_CONFIGS = [dict(BLOCK_CO=co, BLOCK_T=t, num_warps=w) for co, t, w in
+                         ((128, 64, 4), (128, 128, 8), (64, 128, 4), (256, 64, 8))]
+
+
+def residual_tail_configs(channels: int) -> list[dict]:
+    """The configs `residual_tail` times for this many channels (no block wider than needed)."""
+    return [c for c in RESIDUAL_TAIL_CONFIGS if c["BLOCK_CO"] <= max(128, triton.next_power_of_2(channels))]
+
+
+def residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, config: dict | None = None) -> torch.Tensor:
+    """`residual_tail` with one of `residual_tail_configs` (default: the fastest for these shapes,
+    timed once on the GPU)."""
     x, y = _rows_of_samples(x), y.contiguous()
     b, c, t = x.shape
     out = torch.empty_like(y)
-    block_co = min(128, max(16, triton.next_power_of_2(c)))
-    grid = (triton.cdiv(t, 64), triton.cdiv(c, block_co), b)
-    _residual_tail_kernel[grid](x, y, out, log_alpha, log_beta, y_bias, weight.reshape(c, c), bias, c, t,
-                                x.stride(0), x.stride(1), BLOCK_CO=block_co, BLOCK_CI=32, BLOCK_T=64, IEEE=x.dtype == torch.float32,
-                                num_warps=4, num_stages=3)
+
+    def launch(cfg, compile_only=False):
+        grid = (triton.cdiv(t, cfg["BLOCK_T"]), triton.cdiv(c, cfg["BLOCK_CO"]), b)
+        _launch(_residual_tail_kernel, grid,
+                (x, y, out, log_alpha, log_beta, y_bias, weight.reshape(c, c), bias, c, t, x.stride(0), x.stride(1)),
+                dict(BLOCK_CO=cfg["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=cfg["BLOCK_T"], IEEE=x.dtype == torch.float32,
+                     num_warps=cfg["num_warps"], num_stages=3), compile_only)
+    if config is None:
+        key = ("residual_tail", c, triton.next_power_of_2(b * t), x.dtype)
+        config = _fastest(key, residual_tail_configs(c), launch)
+    launch(config)
     return out
 
 
