@@ -157,7 +157,9 @@ class KVCache:
             n = self.chunk_pages
             if self.max_pages is not None:
                 n = min(n, self.max_pages - self.pages_held)
-            chunk = torch.empty((n, *self.page_shape), dtype=self.anchor.dtype, device=self.anchor.device)
+            # zeros: attention over a bucket of keys reads positions no step wrote yet, masked out; a
+            # NaN left in fresh device memory would still reach the output through 0 * NaN
+            chunk = torch.zeros((n, *self.page_shape), dtype=self.anchor.dtype, device=self.anchor.device)
             chunk_id = max(self._chunks, default=-1) + 1
             self._chunks[chunk_id] = chunk
             base = (chunk.data_ptr() - self.anchor.data_ptr()) // chunk.element_size()

@@ -40,6 +40,17 @@ def test_pages_are_taken_as_reserved_and_reused_after_release(separate):
     assert c.page_counts[1] == 5 and c.reserved([1]).tolist() == [20]
 
 
+def test_fresh_pages_hold_zeros_not_whatever_the_memory_held(separate, monkeypatch):
+    """Keys a step has not written yet are read under a mask; a NaN there would pass through
+    0 * NaN, so a page the cache takes from the device starts as zeros."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    c = cache(separate, chunk_pages=2)
+    c.reserve([0, 1], [8, 4])
+    k, v = c.read(0, 2, 8)
+    assert k.eq(0).all() and v.eq(0).all()
+
+
 def test_trim_frees_chunks_whose_pages_are_all_free():
     require_triton()
     c = cache(True, chunk_pages=2)
