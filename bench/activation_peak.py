@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import weakref
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -61,21 +62,19 @@ class LiveBytes(TorchDispatchMode):
 
 
 def window_peak(model_dir: str | Path, batch: int, window: int) -> LiveBytes:
-    """One window decode of `batch` streams on the meta device, the kernels' allocations in their stead."""
-    kernels = vocoder_module.snake_beta, vocoder_module.residual_tail
-    # what the kernels allocate: SnakeBeta's output (with the left context ahead), the residual tail's
-    vocoder_module.snake_beta = lambda x, a, b, bias=None, left=None: x.new_empty(
-        *x.shape[:2], x.shape[2] + (0 if left is None else left.shape[-1]))
-    vocoder_module.residual_tail = lambda x, y, *rest: torch.empty_like(y)
-    try:
-        with torch.device("meta"), torch.no_grad():
-            vocoder = vocoder_module.Vocoder(load_config(model_dir).decoder).to(torch.bfloat16)
-            streams = vocoder_module.VocoderStreams(vocoder, batch)
-            codes = torch.zeros(batch, window, vocoder.num_codebooks, dtype=torch.long)
-            with LiveBytes() as live:
-                streams.decode(torch.arange(batch), codes)
-    finally:
-        vocoder_module.snake_beta, vocoder_module.residual_tail = kernels
+    """One window decode of `batch` streams on the meta device, the kernels' allocations in their stead:
+    SnakeBeta's output (with the left context ahead), the residual tail's."""
+    def snake_beta(x, log_alpha, log_beta, bias=None, left=None):
+        return x.new_empty(*x.shape[:2], x.shape[2] + (0 if left is None else left.shape[-1]))
+
+    with mock.patch.multiple(vocoder_module, snake_beta=snake_beta,
+                             residual_tail=lambda x, y, *rest: torch.empty_like(y)), \
+            torch.device("meta"), torch.no_grad():
+        vocoder = vocoder_module.Vocoder(load_config(model_dir).decoder).to(torch.bfloat16)
+        streams = vocoder_module.VocoderStreams(vocoder, batch)
+        codes = torch.zeros(batch, window, vocoder.num_codebooks, dtype=torch.long)
+        with LiveBytes() as live:
+            streams.decode(torch.arange(batch), codes)
     return live
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from unittest import mock
 
 import numpy as np
 import torch
@@ -93,12 +94,9 @@ def vocoder_kernels_vs_torch_ops(model) -> dict:
             t += w
         return torch.cat(pieces, dim=1)
     fused = windows()
-    before = vocoder.snake_beta, vocoder.residual_tail
-    vocoder.snake_beta, vocoder.residual_tail = kernels.snake_beta_reference, kernels.residual_tail_reference
-    try:
+    with mock.patch.multiple(vocoder, snake_beta=kernels.snake_beta_reference,
+                             residual_tail=kernels.residual_tail_reference):
         plain = windows()
-    finally:
-        vocoder.snake_beta, vocoder.residual_tail = before
     e = err(fused, plain)
     # the kernels round once where the ops round after each of theirs: bf16 rounding apart, not more
     return dict(check="vocoder_kernels_vs_torch_ops", **e, ok=e["rel_rms"] < 0.03)
@@ -181,17 +179,13 @@ def _turns_either_way(model, module, name: str, values: tuple, max_batch: int, t
     every turn's codes are equal, the largest PCM difference (inf where codes differ) and the frames."""
     voice = model.make_voice(np.random.default_rng(voice_seed).standard_normal(48000).astype(np.float32) * 0.1,
                              24000)
-    out, before = [], getattr(module, name)
-    try:
-        for value in values:
-            setattr(module, name, value)
-            with Scheduler(model, max_batch, keep_codes=True) as s:
-                handles = [s.submit(SpeechRequest(text=text, voice=voice, language="english", max_frames=frames,
-                                                  sampling=SamplingParams(seed=seed, min_new_tokens=frames)))
-                           for text, frames, seed in turns]
-                out.append([h.collect(timeout=300) for h in handles])
-    finally:
-        setattr(module, name, before)
+    out = []
+    for value in values:
+        with mock.patch.object(module, name, value), Scheduler(model, max_batch, keep_codes=True) as s:
+            handles = [s.submit(SpeechRequest(text=text, voice=voice, language="english", max_frames=frames,
+                                              sampling=SamplingParams(seed=seed, min_new_tokens=frames)))
+                       for text, frames, seed in turns]
+            out.append([h.collect(timeout=300) for h in handles])
     equal, pcm_diff, frames = True, 0.0, 0
     for (chunks_a, a), (chunks_b, b) in zip(*out):
         same = a.codes.shape == b.codes.shape and bool((a.codes == b.codes).all())
@@ -234,8 +228,9 @@ def main() -> int:
     args = ap.parse_args()
     model = load_model(args.model_dir, device="cuda", dtype=getattr(torch, args.dtype))
     ok = True
-    for check in (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops, scheduler_graphs_vs_eager, kv_pages_come_and_go,
-                  fused_sampling_vs_plain, dependent_launch_vs_plain, vocoder_stream_vs_steps_stream):
+    for check in (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops,
+                  scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
+                  dependent_launch_vs_plain, vocoder_stream_vs_steps_stream):
         row = {"peer": "qwen3-tts-server", "kind": "gpu_check", "dtype": args.dtype, **check(model)}
         ok &= row["ok"]
         emit(row, args.out)

@@ -182,10 +182,10 @@ def snake_beta_triton(x, log_alpha, log_beta, bias=None, left=None) -> torch.Ten
     if left is not None and left[0].stride() != (n_left, 1):     # rows of a stream's state are [C, L] blocks
         left = left.contiguous()
     y = x.new_empty(b, c, n_left + t)
-    _snake_beta_kernel[(b * c, triton.cdiv(n_left + t, 1024))](x, y, log_alpha, log_beta, x if bias is None else bias,
-                                            x if left is None else left, c, t, n_left, x.stride(0), x.stride(1),
-                                            0 if left is None else left.stride(0),
-                                            HAS_BIAS=bias is not None, HAS_LEFT=left is not None, BLOCK=1024)
+    _snake_beta_kernel[(b * c, triton.cdiv(n_left + t, 1024))](
+        x, y, log_alpha, log_beta, x if bias is None else bias, x if left is None else left, c, t, n_left,
+        x.stride(0), x.stride(1), 0 if left is None else left.stride(0),
+        HAS_BIAS=bias is not None, HAS_LEFT=left is not None, BLOCK=1024)
     return y
 
 

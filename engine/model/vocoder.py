@@ -26,12 +26,15 @@ UNUSED_KEYS = ("quantizer.rvq_first.input_proj.", "quantizer.rvq_rest.input_proj
 
 
 def _prepend_context(op: nn.Module, x: torch.Tensor, context: dict, activation=None) -> torch.Tensor:
-    """[op's left context, activation(x)] along time; stores a copy of the last op.context_len samples
-    as the next context. A copy, not a view: a view would keep the whole input alive until the window
-    ends, every conv's at once (10 GiB for an 8-frame window of 256 streams on an H200).
+    """[op's left context, activation(x)] along time (activation(x) alone for an op without one);
+    stores a copy of the last op.context_len samples as the next context. A copy, not a view: a view
+    would keep the whole input alive until the window ends, every conv's at once (10 GiB for an
+    8-frame window of 256 streams on an H200).
 
     activation: a SnakeBeta to apply to x, which writes the context ahead of its output in the same
     pass (no second copy of the activation, at the decoder's highest rates its largest tensors)."""
+    if not op.context_len:
+        return x if activation is None else activation(x)
     if activation is None:
         x = torch.cat([context[op], x], dim=-1)
     else:
@@ -60,10 +63,7 @@ class CausalConv1d(nn.Module):
     def forward(self, x: torch.Tensor, context: dict, bias: bool = True, activation=None) -> torch.Tensor:
         """bias=False leaves the bias out (the caller adds it in a kernel it runs anyway); `activation`
         (a SnakeBeta) is applied to x first, in the pass that prepends the context."""
-        if self.context_len:
-            x = _prepend_context(self, x, context, activation)
-        elif activation is not None:
-            x = activation(x)
+        x = _prepend_context(self, x, context, activation)
         conv = self.conv
         weight, b = conv.weight, conv.bias if bias else None
         pad = MIN_CUDNN_OUT_CHANNELS - conv.out_channels
@@ -91,10 +91,7 @@ class CausalConvTranspose1d(nn.Module):
         """The kept samples, a view of the conv's output (the kernels after it read rows with a
         stride: no copy of the decoder's largest tensors); `activation` as in `CausalConv1d.forward`."""
         n = x.shape[-1] * self.stride
-        if self.context_len:
-            x = _prepend_context(self, x, context, activation)
-        elif activation is not None:
-            x = activation(x)
+        x = _prepend_context(self, x, context, activation)
         first = self.context_len * self.stride            # output of the context inputs, already emitted
         return F.conv_transpose1d(x, self.conv.weight, self.conv.bias, stride=self.stride)[..., first:first + n]
 
@@ -163,8 +160,8 @@ class DecoderBlock(nn.Module):
         return self.block[1](x, context, activation=self.block[0])
 
     @property
-    def units(self) -> list:
-        return list(self.block[2:])
+    def units(self) -> nn.ModuleList:
+        return self.block[2:]
 
 
 class Codebook(nn.Module):
@@ -318,11 +315,15 @@ class Vocoder(nn.Module):
         self.samples_per_frame = math.prod(cfg.upsampling_ratios) * math.prod(cfg.upsample_rates)
         self.num_codebooks = cfg.num_quantizers
 
+    def context_ops(self) -> list[nn.Module]:
+        """The ops that look back in time, each with its `context_shape` (per stream), in module order."""
+        return [m for m in self.modules() if getattr(m, "context_len", 0) > 0]
+
     def initial_context(self, batch: int, device=None, dtype=None) -> dict:
         """Zero left context of every op that has one: the state of a stream before its first frame."""
         p = self.pre_conv.conv.weight
         return {m: torch.zeros(batch, *m.context_shape, device=device or p.device, dtype=dtype or p.dtype)
-                for m in self.modules() if getattr(m, "context_len", 0) > 0}
+                for m in self.context_ops()}
 
     def forward(self, codes: torch.Tensor, start: torch.Tensor, context: dict) -> torch.Tensor:
         """codes [B, t, 16] in 0..2047, the frames start[b].. of each row -> wav [B, t*1920] (module dtype).
@@ -387,7 +388,7 @@ class VocoderStreams:
         self.vocoder = vocoder
         self.max_streams = max_streams
         self.pad_slot = max_streams
-        self.ops = [m for m in vocoder.modules() if getattr(m, "context_len", 0) > 0]
+        self.ops = vocoder.context_ops()
         self.offsets = [0]
         for op in self.ops:
             self.offsets.append(self.offsets[-1] + math.prod(op.context_shape))
