@@ -23,7 +23,9 @@
   gap after the one before. On Hopper and later the decode path's kernels are launched as programmatic
   dependents (`PDL`): the GPU starts each while the one before still runs, and it waits
   (griddepcontrol.wait) before reading or writing anything. A code-predictor step is such a chain
-  from end to end: its layers, output head, sampling and the next token's `embedding`.
+  from end to end: its layers, output head, sampling and the next token's `embedding`. The weights a
+  `linear` streams do not depend on the kernel before it, so it asks L2 for them before it waits:
+  their read from memory overlaps the kernel before instead of following it.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
 The tests run the Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
@@ -67,6 +69,8 @@ if triton is not None:
 
 # Programmatic dependent launch of the decode path's kernels (see above); QWEN3_TTS_PDL=0 turns it off.
 PDL = os.environ.get("QWEN3_TTS_PDL", "1") != "0"
+# With PDL, `linear` asks L2 for its weights before it waits (see `_prefetch_rows_l2`); QWEN3_TTS_PREFETCH=0: not.
+PREFETCH = os.environ.get("QWEN3_TTS_PREFETCH", "1") != "0"
 
 
 @functools.cache
@@ -346,6 +350,19 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
+    def _prefetch_rows_l2(base, rows, row_len, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+        """Ask L2 for rows [0, rows) of a row-major matrix at `base` (row_len elements a row),
+        one prefetch a 128-byte line: the weights a decode-path kernel streams do not depend on the
+        kernel before it, so it fetches them while it still waits for that one (`PDL`)."""
+        LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth     # elements a line
+        r = tl.minimum(tl.arange(0, BLOCK_ROWS), rows - 1)[:, None]
+        for c0 in range(0, row_len, BLOCK_COLS):
+            c = tl.minimum(c0 + tl.arange(0, BLOCK_COLS // LINE) * LINE, row_len - 1)[None, :]
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [(base + r * row_len + c).to(tl.int64, bitcast=True)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
         _dependent_launch_start(PDL)
         row = tl.program_id(0)
@@ -438,14 +455,20 @@ if triton is not None:
     def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
-                              GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                              GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                              PREFETCH: tl.constexpr):
         """One BLOCK_N-wide column block of y [M, N] for all (<= BLOCK_M) rows, streaming its weight
         rows once. NORM: x is RMS-normed first (each program reads x's rows, a few KB, for the
         statistics). GATED: w is [gate; up] (2N rows) and y = silu(x gate.T) * (x up.T). RESIDUAL:
         y += r. Every intermediate is rounded to the activation dtype where the separate ops round."""
+        col0 = tl.program_id(0) * BLOCK_N
+        if PREFETCH:
+            _prefetch_rows_l2(w_ptr + col0 * K, N - col0, K, BLOCK_N, BLOCK_K)
+            if GATED:
+                _prefetch_rows_l2(w_ptr + (N + col0) * K, N - col0, K, BLOCK_N, BLOCK_K)
         _dependent_launch_start(PDL)
         dtype = y_ptr.dtype.element_ty
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)      # output features (weight rows)
+        cols = col0 + tl.arange(0, BLOCK_N)      # output features (weight rows)
         rows = tl.arange(0, BLOCK_M)
         kk = tl.arange(0, BLOCK_K)
         x_rows = x_ptr + rows[:, None] * K
@@ -537,13 +560,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, conf
     """out [M, N] = `linear`(x [M, K], weight) with one launch config of `linear_configs(M)`."""
     (m, k), n = x.shape, out.shape[1]
     dot = config["kernel"] == "dot"
+    pdl = _pdl(x)
     _launch(_skinny_linear_kernel, (triton.cdiv(n, config["BLOCK_N"]),),
             (x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
              m, n, k, eps),
             dict(BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], DOT=dot,
                  IEEE=x.dtype == torch.float32, NORM=norm_weight is not None, GATED=gated,
                  RESIDUAL=residual is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
-                 **_pdl(x)), compile_only)
+                 PREFETCH=PREFETCH and pdl["PDL"], **pdl), compile_only)
 
 
 if triton is not None:
