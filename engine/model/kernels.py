@@ -24,8 +24,9 @@
   dependents (`PDL`): the GPU starts each while the one before still runs, and it waits
   (griddepcontrol.wait) before reading or writing anything. A code-predictor step is such a chain
   from end to end: its layers, output head, sampling and the next token's `embedding`. The weights a
-  `linear` streams do not depend on the kernel before it, so it asks L2 for them before it waits:
-  their read from memory overlaps the kernel before instead of following it.
+  `linear` streams do not depend on the kernel before it, nor do the keys and values `decode_attention`
+  reads from earlier steps, so each asks L2 for them before it waits: their read from memory overlaps
+  the kernel before instead of following it.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
 The tests run the Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
@@ -69,7 +70,8 @@ if triton is not None:
 
 # Programmatic dependent launch of the decode path's kernels (see above); QWEN3_TTS_PDL=0 turns it off.
 PDL = os.environ.get("QWEN3_TTS_PDL", "1") != "0"
-# With PDL, `linear` asks L2 for its weights before it waits (see `_prefetch_rows_l2`); QWEN3_TTS_PREFETCH=0: not.
+# With PDL, `linear` and `decode_attention` ask L2 for their weights / older keys and values before they
+# wait (see `_prefetch_rows_l2`); QWEN3_TTS_PREFETCH=0: they do not.
 PREFETCH = os.environ.get("QWEN3_TTS_PREFETCH", "1") != "0"
 
 
@@ -350,16 +352,17 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
-    def _prefetch_rows_l2(base, rows, row_len, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-        """Ask L2 for rows [0, rows) of a row-major matrix at `base` (row_len elements a row),
-        one prefetch a 128-byte line: the weights a decode-path kernel streams do not depend on the
-        kernel before it, so it fetches them while it still waits for that one (`PDL`)."""
+    def _prefetch_rows_l2(base, rows, row_len, stride, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+        """Ask L2 for the first `row_len` elements of rows [0, rows) at `base` (`stride` elements apart),
+        one prefetch a 128-byte line. A decode-path kernel does this for what it will read that the
+        kernel before it does not write (its weights, a cache's older keys) while it still waits for
+        that kernel (`PDL`): the memory's latency is paid in the shadow of the kernel before."""
         LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth     # elements a line
         r = tl.minimum(tl.arange(0, BLOCK_ROWS), rows - 1)[:, None]
         for c0 in range(0, row_len, BLOCK_COLS):
             c = tl.minimum(c0 + tl.arange(0, BLOCK_COLS // LINE) * LINE, row_len - 1)[None, :]
             tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [(base + r * row_len + c).to(tl.int64, bitcast=True)],
+                                      [(base + r * stride + c).to(tl.int64, bitcast=True)],
                                       dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
@@ -463,9 +466,9 @@ if triton is not None:
         y += r. Every intermediate is rounded to the activation dtype where the separate ops round."""
         col0 = tl.program_id(0) * BLOCK_N
         if PREFETCH:
-            _prefetch_rows_l2(w_ptr + col0 * K, N - col0, K, BLOCK_N, BLOCK_K)
+            _prefetch_rows_l2(w_ptr + col0 * K, N - col0, K, K, BLOCK_N, BLOCK_K)
             if GATED:
-                _prefetch_rows_l2(w_ptr + (N + col0) * K, N - col0, K, BLOCK_N, BLOCK_K)
+                _prefetch_rows_l2(w_ptr + (N + col0) * K, N - col0, K, K, BLOCK_N, BLOCK_K)
         _dependent_launch_start(PDL)
         dtype = y_ptr.dtype.element_ty
         cols = col0 + tl.arange(0, BLOCK_N)      # output features (weight rows)
@@ -586,19 +589,28 @@ if triton is not None:
             stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, stride_table, k_offset, v_offset,
             capacity, eps, scale,
             T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-            M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-        _dependent_launch_start(PDL)
+            M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+            PREFETCH: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         HALF: tl.constexpr = D // 2
         dtype = anchor_ptr.dtype.element_ty
         i = tl.arange(0, HALF)
-        start = tl.load(start_ptr + b)
-        inv_freq = tl.load(inv_freq_ptr + i)
-        qkv = qkv_ptr + b * stride_qkv_b
         pages = table_ptr + b * stride_table      # row b's page offsets from the anchor (`KVCache`)
         k_cache = anchor_ptr + k_offset + kvh * D
         v_cache = anchor_ptr + v_offset + kvh * D
+        if PREFETCH:
+            # the keys and values written by earlier steps, found through the positions and page table
+            # as they are before the wait (at worst stale: then the hints miss, the reads stay exact)
+            older = tl.minimum(tl.load(start_ptr + b), capacity)
+            for k0 in range(0, older, BLOCK_K):
+                at = tl.load(pages + k0 // PAGE) + (k0 % PAGE) * (HKV * D)
+                _prefetch_rows_l2(k_cache + at, older - k0, D, HKV * D, BLOCK_K, D)
+                _prefetch_rows_l2(v_cache + at, older - k0, D, HKV * D, BLOCK_K, D)
+        _dependent_launch_start(PDL)
+        start = tl.load(start_ptr + b)
+        inv_freq = tl.load(inv_freq_ptr + i)
+        qkv = qkv_ptr + b * stride_qkv_b
 
         # The T new keys (normed, rotated) and values go to the cache first (positions past the
         # capacity land in the scratch page), then every key is read back from it.
@@ -708,6 +720,7 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     def launch(c, cache=cache, layer=layer, start=start, out=out, compile_only=False):
         block = max(16, min(c["BLOCK_K"], triton.next_power_of_2(cache.capacity), cache.page_size))
         k_offset, v_offset = cache.layer_offsets(layer)
+        pdl = _pdl(qkv)
         _launch(_decode_attention_kernel, (b, kv_heads),
                 (qkv, out, cache.anchor, cache.table, start, q_norm_weight, k_norm_weight, inv_freq,
                  qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), cache.table.stride(0),
@@ -715,7 +728,7 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
                 dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
                      M=max(16, triton.next_power_of_2(t * heads // kv_heads)), PAGE=cache.page_size,
                      BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"],
-                     num_stages=c["num_stages"], **_pdl(qkv)), compile_only)
+                     num_stages=c["num_stages"], PREFETCH=PREFETCH and pdl["PDL"], **pdl), compile_only)
 
     scratch = []
 
