@@ -55,10 +55,15 @@ if has checks; then
   timeout 200 python3 -m bench.gpu_checks --model-dir "$MODEL" --out "$R" > "$OUTD/checks.log" 2>&1
   echo "checks rc=$? at $((SECONDS-t0)) s"
 fi
+# MEMORY_VARIANTS: environment settings to measure the memory under in turn, as VARIANTS (each row tagged)
 if has memory; then
-  for vb in ${VOCODER_BATCHES:-64}; do
-    timeout 200 python3 -m bench.memory --model-dir "$MODEL" --vocoder-batch $vb --out "$R" >> "$OUTD/memory.log" 2>&1
-    echo "memory (vocoder batch $vb) rc=$? at $((SECONDS-t0)) s"
+  for variant in ${MEMORY_VARIANTS:--}; do
+    [[ $variant == - ]] && variant=
+    for vb in ${VOCODER_BATCHES:-64}; do
+      env ${variant//,/ } timeout 200 python3 -m bench.memory --model-dir "$MODEL" --vocoder-batch $vb --tag "$variant" --out "$R" \
+        >> "$OUTD/memory.log" 2>&1
+      echo "memory (vocoder batch $vb, setting '$variant') rc=$? at $((SECONDS-t0)) s"
+    done
   done
 fi
 if has breakdown; then

@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--vocoder-batch", type=int, default=VOCODER_BATCH,
                     help="most streams one vocoder graph replay decodes")
     ap.add_argument("--out", default=None, help="append JSON rows to this file")
+    ap.add_argument("--tag", default="", help="a label for the rows (e.g. the environment setting measured)")
     args = ap.parse_args()
 
     last = {"alloc": 0, "reserved": 0}
@@ -40,7 +41,7 @@ def main() -> None:
         torch.cuda.synchronize()
         alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         free, total = torch.cuda.mem_get_info()
-        emit(dict(peer="qwen3-tts-server", kind="memory_part", part=part, max_batch=args.max_batch,
+        emit(dict(peer="qwen3-tts-server", kind="memory_part", tag=args.tag, part=part, max_batch=args.max_batch,
                   vocoder_batch=args.vocoder_batch,
                   alloc_gib=gib(alloc), reserved_gib=gib(reserved),
                   alloc_added_gib=gib(alloc - last["alloc"]), reserved_added_gib=gib(reserved - last["reserved"]),
