@@ -32,6 +32,7 @@ if has peer; then
 fi
 # throughput right after the peer: the figures to set beside its own, before a DEADLINE cuts the call
 # VOCODER_BATCHES: the scheduler's vocoder_batch values to measure (most streams a vocoder replay decodes)
+# WINDOWS: vocoder window sizes to measure ("first,later" frames, bench.throughput --window), each tagged
 # REPS: runs of each batch size (bench.throughput --reps)
 # TREES: source trees to time one after the other on this machine (an A/B of commits; each tagged
 #   with its path): "." is the working tree, others hold a commit's engine/ and bench/, made on the
@@ -43,10 +44,12 @@ if has throughput; then
     for variant in ${VARIANTS:--}; do
       [[ $variant == - ]] && variant= tag=$tree || tag="$tree $variant"
       for vb in ${VOCODER_BATCHES:-64}; do
-        (cd "$tree" && env ${variant//,/ } PYTHONPATH=/tmp/site_srv:$PWD timeout 300 python3 -m bench.throughput \
-          --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --reps ${REPS:-1} \
-          --vocoder-batch $vb --tag "$tag" --out "$R") >> "$OUTD/throughput.log" 2>&1
-        echo "throughput ($tag, vocoder batch $vb) rc=$? at $((SECONDS-t0)) s"
+        for win in ${WINDOWS:-2,8}; do
+          (cd "$tree" && env ${variant//,/ } PYTHONPATH=/tmp/site_srv:$PWD timeout 300 python3 -m bench.throughput \
+            --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --reps ${REPS:-1} \
+            --vocoder-batch $vb --window $win --tag "$tag${WINDOWS:+ window $win}" --out "$R") >> "$OUTD/throughput.log" 2>&1
+          echo "throughput ($tag, vocoder batch $vb, window $win) rc=$? at $((SECONDS-t0)) s"
+        done
       done
     done
   done
