@@ -217,7 +217,7 @@ class ModelRunner:
         rest = self.talker.predict_codes(
             h, c0, lambda logits, group: sample_subtalker(logits, group, frame_index, params, noise), self.cp_cache)
         frames = torch.cat([c0[:, None], rest], dim=1)
-        x = self.talker.embed_frame(frames) + text_embeds
+        x = self.talker.embed_frame(frames, plus=text_embeds)
         hidden = self.talker(x[:, None], self.cache, self.length[:n], kmax=kmax)[:, 0]
         new_c0 = sample_talker(self.processor, self.talker.logits(hidden), self.seen[:n], self.generated[:n], params)
         self.h[:n] = torch.where(act[:, None], hidden, h)

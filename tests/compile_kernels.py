@@ -59,6 +59,9 @@ def main() -> None:
                       dict(PAGE=64, HD=1024, BLOCK=1024))
         build(k._rms_norm_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, N="i32", eps="fp32"), dict(BLOCK=1024))
         build(k._embedding_kernel, dict(ids_ptr="*i64", table_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
+        for plus in (False, True):     # a reference's frames (prompt), a decode step's (with its text)
+            build(k._embedding_sum_kernel, dict(ids_ptr="*i64", anchor_ptr=p, offsets_ptr="*i64", plus_ptr=p,
+                                                y_ptr=p, N="i32"), dict(G=16, HAS_PLUS=plus, BLOCK=1024))
         build(k._silu_mul_kernel, dict(x_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
         # every config `linear` may time and pick, with each epilogue the decode layers use (bf16);
         # the first config of each in fp32 (the CPU tests' dtype)

@@ -40,6 +40,18 @@ def test_embedding_matches_torch(kernels):
     torch.testing.assert_close(kernels.embedding(ids, table), F.embedding(ids, table), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("with_plus", [False, True])
+def test_embedding_sum_matches_torch(kernels, with_plus):
+    """A frame's 16 lookups summed (tables of different sizes, allocated apart), then the text term."""
+    g = torch.Generator().manual_seed(3)
+    tables = [torch.randn(v, 96, generator=g) for v in (70, 50, 50, 50)]
+    ids = torch.tensor([[3, 0, 49, 7], [69, 1, 2, 49], [0, 0, 0, 0]])
+    plus = torch.randn(3, 96, generator=g) if with_plus else None
+    expected = torch.stack([F.embedding(ids[:, i], t) for i, t in enumerate(tables)], dim=1).sum(dim=1)
+    expected = expected if plus is None else expected + plus
+    torch.testing.assert_close(kernels.embedding_sum(ids, tables, plus), expected, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("t", [1, 2])
 def test_decode_attention_matches_the_plain_attention(kernels, t):
     """The pre-norm, QK-norm, RoPE, the K/V write, causal GQA attention over ragged rows and the

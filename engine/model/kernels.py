@@ -16,6 +16,8 @@
   and the SwiGLU gate or the residual add after it: 5 kernels a layer. Past 16 rows the GEMMs are
   cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own and the residual add in
   addmm (which first copies the residual: 10 kernels a layer).
+- A frame's embedding for the next talker step (16 lookups in 16 tables, summed, plus the text
+  term) was ~18 plain kernels a step; `embedding_sum` is one.
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
   plain ops, 16 times a frame, plus ~20 for the seeded noise; `sample_rows` is one, noise and the
   logits' cast to fp32 included.
@@ -405,6 +407,49 @@ def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     n = table.shape[1]
     y = torch.empty(ids.numel(), n, dtype=table.dtype, device=table.device)
     _embedding_kernel[(ids.numel(),)](ids, table, y, n, BLOCK=triton.next_power_of_2(n), **_pdl(table))
+    return y
+
+
+if triton is not None:
+    @triton.jit
+    def _embedding_sum_kernel(ids_ptr, anchor_ptr, offsets_ptr, plus_ptr, y_ptr, N, G: tl.constexpr,
+                              HAS_PLUS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        _dependent_launch_start(PDL)
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        acc = tl.zeros([BLOCK], tl.float32)
+        for g in tl.static_range(G):
+            table = anchor_ptr + tl.load(offsets_ptr + g)
+            acc += tl.load(table + tl.load(ids_ptr + row * G + g) * N + cols, mask=mask, other=0.0).to(tl.float32)
+        dtype = y_ptr.dtype.element_ty
+        y = acc.to(dtype)
+        if HAS_PLUS:
+            y = (y.to(tl.float32) + tl.load(plus_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(y_ptr + row * N + cols, y, mask=mask)
+
+
+_table_offsets: dict[tuple, torch.Tensor] = {}
+
+
+def embedding_sum(ids: torch.Tensor, tables: list[torch.Tensor], plus: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_g tables[g][ids[..., g]] (+ plus) -> [..., N] in one kernel: G lookups summed in fp32 and
+    rounded once, as a stack of them summed over G rounds, then `plus` added as a separate add would.
+    The tables are found as offsets from the first one's storage, a device tensor made at the first
+    call for these tables (an eager call, before any CUDA graph captures one): they must not move."""
+    ids = ids.contiguous()
+    g, n = ids.shape[-1], tables[0].shape[1]
+    anchor = tables[0]
+    key = tuple(t.data_ptr() for t in tables)
+    offsets = _table_offsets.get(key)
+    if offsets is None:
+        size = anchor.element_size()
+        offsets = _table_offsets[key] = torch.tensor([(p - key[0]) // size for p in key], device=anchor.device)
+    y = torch.empty(*ids.shape[:-1], n, dtype=anchor.dtype, device=anchor.device)
+    plus = None if plus is None else plus.expand_as(y).contiguous()
+    _embedding_sum_kernel[(ids.numel() // g,)](ids, anchor, offsets, y if plus is None else plus, y, n, G=g,
+                                                HAS_PLUS=plus is not None, BLOCK=triton.next_power_of_2(n),
+                                                **_pdl(anchor))
     return y
 
 

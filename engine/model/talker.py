@@ -10,7 +10,7 @@ Typical use by a runner (all tensors batched, rows = slots):
     logits = talker.logits(hidden[rows, lengths - 1])         # [B, vocab] fp32
     ... c0 = sample(...)
     rest = talker.predict_codes(h, c0, sample_fn, cp_cache)   # [B, 15]
-    x = talker.embed_frame(cat([c0[:, None], rest], 1)) + text_term
+    x = talker.embed_frame(cat([c0[:, None], rest], 1), plus=text_term)
     hidden = talker(x[:, None], cache, lengths, kmax=bucket)  # decode over slots 0..B-1
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch import nn
 
 from ..config import PredictorConfig, TalkerConfig
 from ..kv_cache import KVCache
+from . import kernels
 from .layers import DecoderStack
 from .predictor import CodePredictor, SampleFn
 
@@ -84,11 +85,15 @@ class Talker(nn.Module):
         """E_c(ids): the talker codec embedding (vocab 3072: codes and control ids) -> [..., D]."""
         return self.model.codec_embedding(ids)
 
-    def embed_frame(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [..., 16] -> [..., D]: E_c(c0) + sum_g CPE[g](c_g) as ONE reduction (MODEL.md T17)."""
-        parts = [self.model.codec_embedding(codes[..., 0])]
-        parts += [emb(codes[..., g + 1]) for g, emb in enumerate(self.code_predictor.model.codec_embedding)]
-        return torch.stack(parts, dim=-2).sum(dim=-2)
+    def embed_frame(self, codes: torch.Tensor, plus: torch.Tensor | None = None) -> torch.Tensor:
+        """codes [..., 16] -> [..., D]: E_c(c0) + sum_g CPE[g](c_g) as ONE reduction (MODEL.md T17),
+        then `plus` (a decode step's text term) added; on the fused decode path one kernel, launched
+        like the step's others, for what were 16 lookups, a stack, a sum and an add."""
+        tables = [self.model.codec_embedding] + list(self.code_predictor.model.codec_embedding)
+        if self.model.fused_decode:
+            return kernels.embedding_sum(codes, [t.weight for t in tables], plus)
+        x = torch.stack([t(codes[..., g]) for g, t in enumerate(tables)], dim=-2).sum(dim=-2)
+        return x if plus is None else x + plus
 
     def forward(self, embeds: torch.Tensor, cache: KVCache, start: torch.Tensor,
                 slots: torch.Tensor | None = None, kmax: int | None = None) -> torch.Tensor:
