@@ -433,8 +433,8 @@ _table_offsets: dict[tuple, torch.Tensor] = {}
 
 
 def embedding_sum(ids: torch.Tensor, tables: list[torch.Tensor], plus: torch.Tensor | None = None) -> torch.Tensor:
-    """sum_g tables[g][ids[..., g]] (+ plus) -> [..., N] in one kernel: G lookups summed in fp32 and
-    rounded once, as a stack of them summed over G rounds, then `plus` added as a separate add would.
+    """sum_g tables[g][ids[..., g]] (+ plus) -> [..., N] in one kernel: the G rows summed in fp32 and
+    rounded once (as torch's sum over their stack rounds), then `plus` added as a separate add would.
     The tables are found as offsets from the first one's storage, a device tensor made at the first
     call for these tables (an eager call, before any CUDA graph captures one): they must not move."""
     ids = ids.contiguous()
