@@ -25,7 +25,7 @@ JOBS = []
 def build(fn, types: dict, constants: dict, **options) -> None:
     if "PDL" in fn.arg_names:       # the decode-path kernels: compiled as the GPU launches them (kernels._pdl)
         constants = dict(constants, PDL=True)
-    if "PREFETCH" in fn.arg_names:  # ... and `linear` with its weights' prefetch (kernels.PREFETCH)
+    if "PREFETCH" in fn.arg_names:  # ... with their L2 prefetch before the wait (kernels.PREFETCH)
         constants = dict(constants, PREFETCH=True)
     signature = {name: ("constexpr" if name in constants else types[name]) for name in fn.arg_names}
 

@@ -82,12 +82,13 @@ def _pdl_capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _pdl(x: torch.Tensor) -> dict:
+def _pdl(x: torch.Tensor, prefetch: bool = False) -> dict:
     """Launch options of a decode-path kernel for data on x's device: the `PDL` constexpr (the kernel
-    waits for its predecessor first) and Triton's `launch_pdl`, on a GPU that has them."""
-    if PDL and x.is_cuda and _pdl_capable(x.device):
-        return dict(PDL=True, launch_pdl=True)
-    return dict(PDL=False)
+    waits for its predecessor first) and Triton's `launch_pdl`, on a GPU that has them; for a kernel
+    with a `PREFETCH` constexpr (`prefetch`), that too: it asks L2 for its data while it waits."""
+    on = PDL and x.is_cuda and _pdl_capable(x.device)
+    options = dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
+    return dict(options, PREFETCH=on and PREFETCH) if prefetch else options
 
 
 def snake_beta_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
@@ -608,14 +609,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, conf
     """out [M, N] = `linear`(x [M, K], weight) with one launch config of `linear_configs(M)`."""
     (m, k), n = x.shape, out.shape[1]
     dot = config["kernel"] == "dot"
-    pdl = _pdl(x)
     _launch(_skinny_linear_kernel, (triton.cdiv(n, config["BLOCK_N"]),),
             (x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
              m, n, k, eps),
             dict(BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], DOT=dot,
                  IEEE=x.dtype == torch.float32, NORM=norm_weight is not None, GATED=gated,
                  RESIDUAL=residual is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
-                 PREFETCH=PREFETCH and pdl["PDL"], **pdl), compile_only)
+                 **_pdl(x, prefetch=True)), compile_only)
 
 
 if triton is not None:
@@ -765,7 +765,6 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     def launch(c, cache=cache, layer=layer, start=start, out=out, compile_only=False):
         block = max(16, min(c["BLOCK_K"], triton.next_power_of_2(cache.capacity), cache.page_size))
         k_offset, v_offset = cache.layer_offsets(layer)
-        pdl = _pdl(qkv)
         _launch(_decode_attention_kernel, (b, kv_heads),
                 (qkv, out, cache.anchor, cache.table, start, q_norm_weight, k_norm_weight, inv_freq,
                  qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), cache.table.stride(0),
@@ -773,7 +772,7 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
                 dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
                      M=max(16, triton.next_power_of_2(t * heads // kv_heads)), PAGE=cache.page_size,
                      BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"],
-                     num_stages=c["num_stages"], PREFETCH=PREFETCH and pdl["PDL"], **pdl), compile_only)
+                     num_stages=c["num_stages"], **_pdl(qkv, prefetch=True)), compile_only)
 
     scratch = []
 
