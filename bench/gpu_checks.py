@@ -11,7 +11,9 @@
 - a greedy turn before and after the KV cache's pages were handed back and taken again elsewhere;
 - the sampling kernel (Gumbel noise hashed in the kernel) against the plain ops' draws;
 - a sampled scheduler turn with the decode kernels launched as programmatic dependents against the
-  same turn launched plainly (`kernels.PDL`): the same kernels, so the same codes, bit for bit.
+  same turn launched plainly (`kernels.PDL`): the same kernels, so the same codes, bit for bit;
+- a stack's decode forward as one persistent kernel against its kernels per layer (talker and code
+  predictor, 1-16 rows), and 2,000 of its launches in a row (no barrier hangs).
 Each check prints a RESULT row with its errors and `ok`; the exit status is 1 if any is not ok.
 
     python -m bench.gpu_checks --model-dir /tmp/rand06b
@@ -219,18 +221,72 @@ def vocoder_stream_vs_steps_stream(model) -> dict:
                 pcm_max_abs_diff=round(pcm_diff, 5), ok=equal and pcm_diff < 0.05)
 
 
+def persistent_stack_vs_layer_kernels(model) -> dict:
+    """A decode forward of the talker and of the code predictor as one persistent kernel (its grid
+    barriers across every SM) against the same forward as kernels per layer, on random inputs over
+    random earlier keys, at the row counts it serves: the residual stream and the K/V written. Their
+    GEMMs may take other block sizes, so bf16 rounding apart, not bit for bit. Then 2,000 launches in
+    a row: a barrier that lost an arrival would hang here, and the counter must be back at 0."""
+    g = torch.Generator(device=model.device).manual_seed(4)
+    talker = model.talker
+    stacks = (talker.model, talker.code_predictor.model)
+    was = [s.persistent_decode for s in stacks]
+    rows, worst = [], 0.0
+    for name, stack, t_rows in (("talker", talker.model, ((1, 1), (4, 1), (16, 1))),
+                                ("code_predictor", talker.code_predictor.model, ((1, 2), (1, 1), (8, 2), (16, 1)))):
+        for b, t in t_rows:
+            cache = talker.new_cache(b, 512) if name == "talker" else talker.code_predictor.new_cache(b)
+            cap = cache.capacity
+            start = torch.randint(0, cap - t + 1, (b,), device=model.device, generator=g)
+            for layer in range(cache.num_layers):
+                kv = [torch.randn(b, cap, cache.kv_heads, cache.head_dim, device=model.device, generator=g)
+                      .to(model.dtype) for _ in range(2)]
+                cache.write(layer, *kv, torch.zeros(b, dtype=torch.long, device=model.device))
+            x = (torch.randn(b, t, stack.norm.weight.shape[0], device=model.device, generator=g) * 0.5).to(model.dtype)
+            out = []
+            for persistent in (False, True):
+                stack.persistent_decode = persistent
+                h = stack._decode(x, cache, start).clone()
+                kv = torch.cat([torch.cat(cache.read(layer, b, cap), dim=-1) for layer in range(cache.num_layers)])
+                out.append((h, kv))
+            e_h, e_kv = err(out[1][0], out[0][0]), err(out[1][1], out[0][1])
+            worst = max(worst, e_h["rel_rms"], e_kv["rel_rms"])
+            rows.append(f"{name} {b}x{t}: h {e_h['rel_rms']:.1e}, kv {e_kv['rel_rms']:.1e}")
+    stack = talker.code_predictor.model
+    stack.persistent_decode = True
+    cache = talker.code_predictor.new_cache(1)
+    x = torch.zeros(1, 1, stack.norm.weight.shape[0], dtype=model.dtype, device=model.device)
+    start = torch.ones(1, dtype=torch.long, device=model.device)
+    for _ in range(2000):
+        stack._decode(x, cache, start)
+    torch.cuda.synchronize()
+    counters = [int(s.stacked.barrier) for s in stacks]
+    for s, persistent in zip(stacks, was):
+        s.persistent_decode = persistent
+    return dict(check="persistent_stack_vs_layer_kernels", rel_rms=rows, worst_rel_rms=worst,
+                counters_after=counters, ok=worst < 0.03 and counters == [0, 0])
+
+
 @torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default=None, help="comma-separated names of the checks to run (default: all)")
     args = ap.parse_args()
+    checks = (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops,
+              scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
+              dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, persistent_stack_vs_layer_kernels)
+    if args.only:
+        names = args.only.split(",")
+        unknown = set(names) - {c.__name__ for c in checks}
+        if unknown:
+            ap.error(f"unknown checks: {', '.join(sorted(unknown))}")
+        checks = [c for c in checks if c.__name__ in names]
     model = load_model(args.model_dir, device="cuda", dtype=getattr(torch, args.dtype))
     ok = True
-    for check in (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops,
-                  scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
-                  dependent_launch_vs_plain, vocoder_stream_vs_steps_stream):
+    for check in checks:
         row = {"peer": "qwen3-tts-server", "kind": "gpu_check", "dtype": args.dtype, **check(model)}
         ok &= row["ok"]
         emit(row, args.out)

@@ -85,6 +85,19 @@ def main() -> None:
                                                 bias_ptr=p, C="i32", T="i32", stride_xb="i32", stride_xc="i32"),
                   dict(BLOCK_CO=c["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=c["BLOCK_T"], IEEE=dtype == "fp32"),
                   num_warps=c["num_warps"], num_stages=3)
+        # the persistent decode stack: every config it may time and pick, for the talker (pages of 64) and
+        # the code predictor (pages of 16, 2 positions in its first step), in bf16; the first in fp32
+        for c in k.stack_decode_configs(1)[:None if dtype == "bf16" else 1]:
+            for t, page in ((1, 64), (2, 16)):
+                build(k._stack_decode_kernel,
+                      dict(x_ptr=p, h_ptr=p, qkv_ptr=p, attn_ptr=p, act_ptr=p, counter_ptr="*i32", w_qkv=p, w_o=p,
+                           w_gate_up=p, w_down=p, norm_in=p, norm_post=p, norm_q=p, norm_k=p, inv_freq_ptr="*fp32",
+                           anchor_ptr=p, table_ptr="*i64", start_ptr="*i64", stride_table="i32", layer_elems="i32",
+                           capacity="i32", B="i32", L="i32", DM="i32", I="i32", eps="fp32", scale="fp32"),
+                      dict(T=t, G=2, HQ=16, HKV=8, D=128, M_ATT=16, PAGE=page, BLOCK_KV=min(64, page),
+                           BLOCK_M=16 if c["DOT"] else k.GEMV_ROWS, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+                           DOT=c["DOT"], IEEE=dtype == "fp32"),
+                      num_warps=c["num_warps"], num_stages=c["num_stages"])
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
     # fp32 logits (the talker's, after its logits processor) and bf16 (the code predictor's head)

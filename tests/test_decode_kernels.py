@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.config import TransformerConfig
 from engine.kv_cache import KVCache
 from engine.loader import load_model
-from engine.model.layers import Attention, RMSNorm, causal_mask, rope_cos_sin, rope_inv_freq
+from engine.model.layers import Attention, DecoderStack, RMSNorm, causal_mask, rope_cos_sin, rope_inv_freq
 from engine.requests import SamplingParams
 from engine.runner import ModelRunner
 from engine.synth import synthesize
@@ -85,16 +86,55 @@ def test_decode_attention_matches_the_plain_attention(kernels, t):
     assert torch.equal(fused.read(0, b + 1, cap)[0][b], earlier[0][b])
 
 
-@pytest.fixture(scope="module")
-def fused_model(tiny_model_dir, kernels):
+@pytest.mark.parametrize("t", [1, 2])
+def test_stack_decode_matches_the_layer_kernels(kernels, t):
+    """The whole stack in one persistent kernel computes what its per-layer kernels compute: every
+    layer's K/V written to the same places of a paged cache, the residual stream out (here its grid
+    is one program: the interpreter runs programs one after the other; the GPU checks compare them
+    with the grid of every SM, `bench.gpu_checks`)."""
+    torch.manual_seed(3)
+    cfg = TransformerConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32)
+    stack = DecoderStack(cfg)
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.normal_(0, 0.1 if p.dim() > 1 else 1).add_(0 if p.dim() > 1 else 1)
+    stack.fuse()
+    b, cap = 3, 40
+    caches = [KVCache(3, b, cap, 2, 32, torch.float32, "cpu", page_size=16, reserve_all=True, separate_pages=True)
+              for _ in range(2)]
+    earlier = torch.randn(b, cap, 2, 32), torch.randn(b, cap, 2, 32)
+    for c in caches:
+        for layer in range(3):
+            c.write(layer, *earlier, torch.zeros(b, dtype=torch.long))
+    start = torch.tensor([0, 17, cap - t])
+    x = torch.randn(b, t, 64)
+    with torch.no_grad():
+        stack.fused_decode, stack.persistent_decode = True, False
+        expected = stack._decode(x, caches[0], start)
+        stack.persistent_decode = True
+        got = stack._decode(x, caches[1], start)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    for layer in range(3):
+        for a, e in zip(caches[1].read(layer, b, cap), caches[0].read(layer, b, cap)):
+            torch.testing.assert_close(a, e, atol=1e-6, rtol=0)
+    assert int(stack.stacked.barrier) == 0       # the counter is back at 0 for the next launch
+
+
+@pytest.fixture(scope="module", params=["layer_kernels", "one_launch"])
+def fused_model(request, tiny_model_dir, kernels):
+    """The model on the fused decode path: a stack's decode forward as kernels per layer, or as one
+    persistent kernel (`kernels.stack_decode`)."""
     model = load_model(tiny_model_dir)
     for stack in (model.talker.model, model.talker.code_predictor.model):
         stack.fuse()
         stack.fused_decode = True      # as on CUDA; here the interpreter runs the kernels
+        stack.persistent_decode = request.param == "one_launch"
     return model
 
 
-@pytest.mark.parametrize("name", ["xvec_eos", "batch3_icl"])
+@pytest.mark.parametrize("fused_model, name", [("layer_kernels", "xvec_eos"), ("layer_kernels", "batch3_icl"),
+                                              ("one_launch", "batch3_icl")], indirect=["fused_model"])
 def test_fused_decode_reproduces_golden_codes(fused_model, golden_cases, golden_npz, name):
     """Greedy codes through the fused decode path equal the official implementation's."""
     z = golden_npz(name)

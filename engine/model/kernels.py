@@ -501,21 +501,21 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
-                              GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                              PREFETCH: tl.constexpr):
-        """One BLOCK_N-wide column block of y [M, N] for all (<= BLOCK_M) rows, streaming its weight
-        rows once. NORM: x is RMS-normed first (each program reads x's rows, a few KB, for the
-        statistics). GATED: w is [gate; up] (2N rows) and y = silu(x gate.T) * (x up.T). RESIDUAL:
+    def _prefetch_weights_l2(w_ptr, col0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+        """Ask L2 for the weight rows of the BLOCK_N-wide column block at col0 (`_linear_block`'s)."""
+        _prefetch_rows_l2(w_ptr + col0 * K, N - col0, K, K, BLOCK_N, BLOCK_K)
+        if GATED:
+            _prefetch_rows_l2(w_ptr + (N + col0) * K, N - col0, K, K, BLOCK_N, BLOCK_K)
+
+    @triton.jit
+    def _linear_block(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
+                      GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+        """The BLOCK_N-wide column block at col0 of y [M, N] = x [M, K] @ w.T for all (<= BLOCK_M) rows,
+        streaming its weight rows once. NORM: x is RMS-normed first (x's rows, a few KB, are read for
+        the statistics). GATED: w is [gate; up] (2N rows) and y = silu(x gate.T) * (x up.T). RESIDUAL:
         y += r. Every intermediate is rounded to the activation dtype where the separate ops round."""
-        col0 = tl.program_id(0) * BLOCK_N
-        if PREFETCH:
-            _prefetch_rows_l2(w_ptr + col0 * K, N - col0, K, K, BLOCK_N, BLOCK_K)
-            if GATED:
-                _prefetch_rows_l2(w_ptr + (N + col0) * K, N - col0, K, K, BLOCK_N, BLOCK_K)
-        _dependent_launch_start(PDL)
         dtype = y_ptr.dtype.element_ty
         cols = col0 + tl.arange(0, BLOCK_N)      # output features (weight rows)
         rows = tl.arange(0, BLOCK_M)
@@ -550,6 +550,20 @@ if triton is not None:
             r = tl.load(r_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
+
+    @triton.jit
+    def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
+                              GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                              PREFETCH: tl.constexpr):
+        """`_linear_block` of one program's column block, its weights asked of L2 before the wait."""
+        col0 = tl.program_id(0) * BLOCK_N
+        if PREFETCH:
+            _prefetch_weights_l2(w_ptr, col0, N, K, BLOCK_N, BLOCK_K, GATED)
+        _dependent_launch_start(PDL)
+        _linear_block(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
+                      BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL)
 
 
 SKINNY_ROWS = 16        # up to this many rows `linear` takes the skinny kernel
@@ -629,33 +643,18 @@ if triton is not None:
         return x1 * c - x2 * s, x2 * c + x1 * s
 
     @triton.jit
-    def _decode_attention_kernel(
-            qkv_ptr, out_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr, k_w_ptr, inv_freq_ptr,
-            stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, stride_table, k_offset, v_offset,
-            capacity, eps, scale,
-            T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-            M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-            PREFETCH: tl.constexpr):
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
+    def _attention_group(qkv, out, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr,
+                         stride_qkv_t, stride_out_t, capacity, eps, scale, kvh,
+                         T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                         M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """KV head kvh of one row: its T new keys (normed, rotated) and values to the cache, then its G
+        query heads at each of the T positions attend causally over the row's keys. qkv, out: the row's
+        [T, ...] projections and output; k_cache, v_cache: the layer's K and V of head kvh in a page;
+        pages: the row's page offsets from them; start: the row's first new position."""
         HALF: tl.constexpr = D // 2
-        dtype = anchor_ptr.dtype.element_ty
+        dtype = k_cache.dtype.element_ty
         i = tl.arange(0, HALF)
-        pages = table_ptr + b * stride_table      # row b's page offsets from the anchor (`KVCache`)
-        k_cache = anchor_ptr + k_offset + kvh * D
-        v_cache = anchor_ptr + v_offset + kvh * D
-        if PREFETCH:
-            # the keys and values written by earlier steps, found through the positions and page table
-            # as they are before the wait (at worst stale: then the hints miss, the reads stay exact)
-            older = tl.minimum(tl.load(start_ptr + b), capacity)
-            for k0 in range(0, older, BLOCK_K):
-                at = tl.load(pages + k0 // PAGE) + (k0 % PAGE) * (HKV * D)
-                _prefetch_rows_l2(k_cache + at, older - k0, D, HKV * D, BLOCK_K, D)
-                _prefetch_rows_l2(v_cache + at, older - k0, D, HKV * D, BLOCK_K, D)
-        _dependent_launch_start(PDL)
-        start = tl.load(start_ptr + b)
         inv_freq = tl.load(inv_freq_ptr + i)
-        qkv = qkv_ptr + b * stride_qkv_b
 
         # The T new keys (normed, rotated) and values go to the cache first (positions past the
         # capacity land in the scratch page), then every key is read back from it.
@@ -722,9 +721,35 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
             m_i = m_new
-        out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
-        dst = out_ptr + b * stride_out_b + t_r[:, None] * stride_out_t + head[:, None] * D + d[None, :]
-        tl.store(dst, out, mask=valid[:, None])
+        o = (acc / l_i[:, None]).to(out.dtype.element_ty)
+        tl.store(out + t_r[:, None] * stride_out_t + head[:, None] * D + d[None, :], o, mask=valid[:, None])
+
+    @triton.jit
+    def _decode_attention_kernel(
+            qkv_ptr, out_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr, k_w_ptr, inv_freq_ptr,
+            stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, stride_table, k_offset, v_offset,
+            capacity, eps, scale,
+            T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+            M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+            PREFETCH: tl.constexpr):
+        """`_attention_group` of row program_id(0), KV head program_id(1)."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        pages = table_ptr + b * stride_table      # row b's page offsets from the anchor (`KVCache`)
+        k_cache = anchor_ptr + k_offset + kvh * D
+        v_cache = anchor_ptr + v_offset + kvh * D
+        if PREFETCH:
+            # the keys and values written by earlier steps, found through the positions and page table
+            # as they are before the wait (at worst stale: then the hints miss, the reads stay exact)
+            older = tl.minimum(tl.load(start_ptr + b), capacity)
+            for k0 in range(0, older, BLOCK_K):
+                at = tl.load(pages + k0 // PAGE) + (k0 % PAGE) * (HKV * D)
+                _prefetch_rows_l2(k_cache + at, older - k0, D, HKV * D, BLOCK_K, D)
+                _prefetch_rows_l2(v_cache + at, older - k0, D, HKV * D, BLOCK_K, D)
+        _dependent_launch_start(PDL)
+        _attention_group(qkv_ptr + b * stride_qkv_b, out_ptr + b * stride_out_b, k_cache, v_cache, pages,
+                         tl.load(start_ptr + b), q_w_ptr, k_w_ptr, inv_freq_ptr, stride_qkv_t, stride_out_t,
+                         capacity, eps, scale, kvh, T, G, HQ, HKV, D, M, PAGE, BLOCK_K, IEEE)
 
 
 def decode_attention_supports(head_dim: int) -> bool:
@@ -774,22 +799,210 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
                      BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"],
                      num_stages=c["num_stages"], **_pdl(qkv, prefetch=True)), compile_only)
 
-    scratch = []
+    scratch = functools.cache(lambda: _timing_cache(cache, 1, b, t, start))
 
     def launch_on_scratch(c, compile_only=False):
-        if not scratch:
-            keys = min(ATTENTION_TIMING_KEYS, cache.capacity)
-            s = type(cache)(1, b, keys, kv_heads, head_dim, cache.anchor.dtype, cache.anchor.device,
-                            cache.page_size, reserve_all=True, separate_pages=cache.separate_pages)
-            scratch.extend([s, 0, torch.full((b,), max(0, keys - t), dtype=start.dtype, device=start.device),
-                            torch.empty_like(out)])
-        launch(c, *scratch, compile_only=compile_only)
+        launch(c, *scratch(), compile_only=compile_only)
 
     if config is None:
         key = ("attention", b, t, heads, kv_heads, head_dim, qkv.dtype, cache.capacity, cache.page_size)
         config = _fastest(key, ATTENTION_CONFIGS, launch_on_scratch)
     launch(config)
     return out
+
+
+def _timing_cache(cache, layers: int, rows: int, t: int, start: torch.Tensor):
+    """A scratch cache like `cache` (`layers` layers, `rows` slots of ATTENTION_TIMING_KEYS keys, every
+    page its own), its first layer and the start of rows whose T new positions end it: what a kernel that writes into
+    the cache is timed on (the live lengths at warm-up say nothing of the load, and timing must not
+    write into live rows)."""
+    keys = min(ATTENTION_TIMING_KEYS, cache.capacity)
+    scratch = type(cache)(layers, rows, keys, cache.kv_heads, cache.head_dim, cache.anchor.dtype, cache.anchor.device,
+                          cache.page_size, reserve_all=True, separate_pages=cache.separate_pages)
+    return scratch, 0, torch.full((rows,), max(0, keys - t), dtype=start.dtype, device=start.device)
+
+
+# One launch for a whole decode forward of a transformer stack (`stack_decode`); QWEN3_TTS_PERSISTENT=0:
+# a kernel per GEMM and attention core instead.
+PERSISTENT = os.environ.get("QWEN3_TTS_PERSISTENT", "1") != "0"
+
+if triton is not None:
+    @triton.jit
+    def _grid_sync(counter_ptr, target):
+        """A barrier across the grid of a persistent kernel: wait until the programs' arrivals at the
+        counter reach `target` (the barriers passed so far times the programs). What a program wrote
+        before it is seen by every program after it: the arrival releases, the wait acquires."""
+        tl.debug_barrier()                                  # the program's threads have all written
+        tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+        while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
+            pass
+        tl.debug_barrier()
+
+    @triton.jit
+    def _prefetch_share_l2(base, n, pid, P):
+        """Ask L2 for this program's share (one of P) of the n contiguous elements at base: a phase
+        of a persistent kernel asks, with every program, for the weights of the phase after it."""
+        LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth     # elements a line
+        lines = tl.cdiv(n, LINE)
+        per = tl.cdiv(lines, P)
+        end = tl.minimum(pid * per + per, lines)
+        for first in range(pid * per, end, 128):      # 128 lines at a time, each a "row" of one line
+            _prefetch_rows_l2(base + first * LINE, end - first, LINE, LINE, 128, LINE)
+
+    @triton.jit
+    def _gemm_phase(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, pid, P,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                    IEEE: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+        """`_linear_block` of every column block of y, the blocks dealt out round-robin to the P programs."""
+        for col0 in range(pid * BLOCK_N, N, P * BLOCK_N):
+            _linear_block(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
+                          BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL)
+
+    @triton.jit
+    def _stack_decode_kernel(
+            x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, counter_ptr,
+            w_qkv, w_o, w_gate_up, w_down, norm_in, norm_post, norm_q, norm_k, inv_freq_ptr,
+            anchor_ptr, table_ptr, start_ptr, stride_table, layer_elems, capacity,
+            B, L, DM, I, eps, scale,
+            T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+            M_ATT: tl.constexpr, PAGE: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+            PDL: tl.constexpr, PREFETCH: tl.constexpr):
+        """`DecoderStack._decode` in one launch: per layer the same five steps as its kernels (QKV GEMM
+        with the input norm, attention core, output GEMM + residual, gate/up GEMM with the norm and the
+        gate, down GEMM + residual), each dealt out over the grid's programs, with a grid barrier
+        between them. h = the residual stream [B*T, DM] (the input x copied in first). Each step asks
+        L2 for the next GEMM's weights, every program a share, before it computes: the weights stream
+        from memory one step ahead, behind the barriers and the work. The grid must fit on the GPU at
+        once (one program an SM): a barrier waits for every program."""
+        pid = tl.program_id(0)
+        P = tl.num_programs(0)
+        M = B * T
+        NQ = HQ * D
+        NQKV = (HQ + 2 * HKV) * D
+        if PREFETCH:
+            _prefetch_share_l2(w_qkv, NQKV * DM, pid, P)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        rows = tl.arange(0, BLOCK_M)[:, None]
+        for c0 in range(pid * BLOCK_K, DM, P * BLOCK_K):
+            c = c0 + tl.arange(0, BLOCK_K)[None, :]
+            mask = (rows < M) & (c < DM)
+            tl.store(h_ptr + rows * DM + c, tl.load(x_ptr + rows * DM + c, mask=mask), mask=mask)
+        _grid_sync(counter_ptr, P)
+        for layer in range(L):
+            passed = 1 + 5 * layer                   # barriers passed so far (the copy's, 5 a layer)
+            wo = w_o + layer * DM * NQ
+            wgu = w_gate_up + layer * 2 * I * DM
+            wd = w_down + layer * DM * I
+            if PREFETCH:
+                _prefetch_share_l2(wo, DM * NQ, pid, P)
+            _gemm_phase(h_ptr, w_qkv + layer * NQKV * DM, qkv_ptr, h_ptr, norm_in + layer * DM, M, NQKV, DM, eps,
+                        pid, P, BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, True, False, False)
+            _grid_sync(counter_ptr, (passed + 1) * P)
+            if PREFETCH:
+                _prefetch_share_l2(wgu, 2 * I * DM, pid, P)
+            for item in range(pid, B * HKV, P):
+                b = item // HKV
+                kvh = item % HKV
+                _attention_group(qkv_ptr + b * T * NQKV, attn_ptr + b * T * NQ,
+                                 anchor_ptr + layer * layer_elems + kvh * D,
+                                 anchor_ptr + (L + layer) * layer_elems + kvh * D, table_ptr + b * stride_table,
+                                 tl.load(start_ptr + b), norm_q + layer * D, norm_k + layer * D, inv_freq_ptr,
+                                 NQKV, NQ, capacity, eps, scale, kvh, T, G, HQ, HKV, D, M_ATT, PAGE, BLOCK_KV, IEEE)
+            _grid_sync(counter_ptr, (passed + 2) * P)
+            if PREFETCH:
+                _prefetch_share_l2(wd, DM * I, pid, P)
+            _gemm_phase(attn_ptr, wo, h_ptr, h_ptr, h_ptr, M, DM, NQ, eps,
+                        pid, P, BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, False, False, True)
+            _grid_sync(counter_ptr, (passed + 3) * P)
+            if PREFETCH:
+                if layer + 1 < L:
+                    _prefetch_share_l2(w_qkv + (layer + 1) * NQKV * DM, NQKV * DM, pid, P)
+            _gemm_phase(h_ptr, wgu, act_ptr, h_ptr, norm_post + layer * DM, M, I, DM, eps,
+                        pid, P, BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, True, True, False)
+            _grid_sync(counter_ptr, (passed + 4) * P)
+            _gemm_phase(act_ptr, wd, h_ptr, h_ptr, h_ptr, M, DM, I, eps,
+                        pid, P, BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, False, False, True)
+            if layer + 1 < L:
+                _grid_sync(counter_ptr, (passed + 5) * P)
+        # The last arrival: no program waits for it (the kernel's end is the barrier), and the program
+        # that completes it sets the counter back to 0 for the next launch; by then every other
+        # program has passed its last wait.
+        tl.debug_barrier()
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == (5 * L + 1) * P - 1:
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+# Launch configs `stack_decode` times (the first is taken untimed): column blocks of BLOCK_N weight rows
+# on the tensor cores, or for 1-2 rows on the CUDA cores too (more, narrower blocks to deal out).
+_STACK_DOT_CONFIGS = [dict(DOT=True, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for n, k, w, st in
+                      ((16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 128, 4, 3))]
+_STACK_GEMV_CONFIGS = [dict(DOT=False, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for n, k, w, st in
+                       ((8, 256, 4, 3), (4, 512, 4, 3))]
+
+
+def stack_decode_configs(rows: int) -> list[dict]:
+    return _STACK_DOT_CONFIGS + (_STACK_GEMV_CONFIGS if rows <= GEMV_ROWS else [])
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    """The grid of a persistent kernel: one program an SM (on the CPU, Triton's interpreter runs the
+    programs one after the other, so a barrier would wait forever for a second one: one)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start: torch.Tensor,
+                 config: dict | None = None) -> torch.Tensor:
+    """All layers of a decode forward in one persistent kernel -> the residual stream [B, T, D] (not
+    final-normed): what `DecoderStack._decode` computes with 5 kernels a layer, for B * T <= SKINNY_ROWS.
+
+    x [B, T, D]: the new positions start[b].. of row b = slot b of `cache`. stacked: the stack's
+    weights, every layer's in one tensor a kind (`layers.StackedLayers`), and the barrier counter.
+    At one row a step of 28 layers was 140 launches of a few microseconds each, bound by their chain
+    of launch and dependent-load latencies rather than by reading the weights.
+    """
+    b, t, dm = x.shape
+    rows = b * t
+    heads, kv_heads, head_dim = stacked.heads, stacked.kv_heads, stacked.head_dim
+    layers, nq, inter = stacked.qkv.shape[0], heads * head_dim, stacked.down.shape[2]
+    if rows > SKINNY_ROWS or not decode_attention_supports(head_dim) or cache.page_size < 16:
+        raise ValueError(f"stack_decode: unsupported shapes x {tuple(x.shape)}, head_dim {head_dim}, "
+                         f"pages of {cache.page_size}")
+    x = x.contiguous()
+    h = torch.empty_like(x)
+    qkv = x.new_empty(rows, (heads + 2 * kv_heads) * head_dim)
+    attn = x.new_empty(rows, nq)
+    act = x.new_empty(rows, inter)
+
+    def launch(c, cache=cache, start=start, compile_only=False):
+        block_kv = max(16, min(64, triton.next_power_of_2(cache.capacity), cache.page_size))
+        _launch(_stack_decode_kernel, (_programs(x.device),),
+                (x, h, qkv, attn, act, stacked.barrier, stacked.qkv, stacked.o, stacked.gate_up, stacked.down,
+                 stacked.input_norm, stacked.post_norm, stacked.q_norm, stacked.k_norm, inv_freq,
+                 cache.anchor, cache.table, start, cache.table.stride(0), cache.layer_offsets(1)[0],
+                 cache.capacity, b, layers, dm, inter, stacked.eps, head_dim ** -0.5),
+                dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
+                     M_ATT=max(16, triton.next_power_of_2(t * heads // kv_heads)), PAGE=cache.page_size,
+                     BLOCK_KV=block_kv, BLOCK_M=16 if c["DOT"] else GEMV_ROWS, BLOCK_N=c["BLOCK_N"],
+                     BLOCK_K=c["BLOCK_K"], DOT=c["DOT"], IEEE=x.dtype == torch.float32,
+                     num_warps=c["num_warps"], num_stages=c["num_stages"], **_pdl(x, prefetch=True)), compile_only)
+
+    scratch = functools.cache(lambda: _timing_cache(cache, layers, b, t, start))
+
+    def launch_on_scratch(c, compile_only=False):
+        scratch_cache, _, scratch_start = scratch()
+        launch(c, scratch_cache, scratch_start, compile_only=compile_only)
+
+    if config is None:
+        key = ("stack_decode", rows if rows <= GEMV_ROWS else SKINNY_ROWS, t, layers, dm, x.dtype,
+               cache.capacity, cache.page_size)
+        config = _fastest(key, stack_decode_configs(rows), launch_on_scratch)
+    launch(config)
+    return h
 
 
 if triton is not None:
