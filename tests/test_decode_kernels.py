@@ -117,7 +117,7 @@ def test_stack_decode_matches_the_layer_kernels(kernels, t):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     for layer in range(3):
         for a, e in zip(caches[1].read(layer, b, cap), caches[0].read(layer, b, cap)):
-            torch.testing.assert_close(a, e, atol=1e-6, rtol=0)
+            torch.testing.assert_close(a, e, atol=1e-5, rtol=0)
     assert int(stack.stacked.barrier) == 0       # the counter is back at 0 for the next launch
 
 

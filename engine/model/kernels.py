@@ -866,8 +866,8 @@ if triton is not None:
             B, L, DM, I, eps, scale,
             T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
             M_ATT: tl.constexpr, PAGE: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-            PDL: tl.constexpr, PREFETCH: tl.constexpr):
+            BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GATE_UP: tl.constexpr, BN_DOWN: tl.constexpr,
+            BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
         """`DecoderStack._decode` in one launch: per layer the same five steps as its kernels (QKV GEMM
         with the input norm, attention core, output GEMM + residual, gate/up GEMM with the norm and the
         gate, down GEMM + residual), each dealt out over the grid's programs, with a grid barrier
@@ -898,7 +898,7 @@ if triton is not None:
             if PREFETCH:
                 _prefetch_share_l2(wo, DM * NQ, pid, P)
             _gemm_phase(h_ptr, w_qkv + layer * NQKV * DM, qkv_ptr, h_ptr, norm_in + layer * DM, M, NQKV, DM, eps,
-                        pid, P, BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, True, False, False)
+                        pid, P, BLOCK_M, BN_QKV, BLOCK_K, DOT, IEEE, True, False, False)
             _grid_sync(counter_ptr, (passed + 1) * P)
             if PREFETCH:
                 _prefetch_share_l2(wgu, 2 * I * DM, pid, P)
@@ -914,16 +914,16 @@ if triton is not None:
             if PREFETCH:
                 _prefetch_share_l2(wd, DM * I, pid, P)
             _gemm_phase(attn_ptr, wo, h_ptr, h_ptr, h_ptr, M, DM, NQ, eps,
-                        pid, P, BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, False, False, True)
+                        pid, P, BLOCK_M, BN_O, BLOCK_K, DOT, IEEE, False, False, True)
             _grid_sync(counter_ptr, (passed + 3) * P)
             if PREFETCH:
                 if layer + 1 < L:
                     _prefetch_share_l2(w_qkv + (layer + 1) * NQKV * DM, NQKV * DM, pid, P)
             _gemm_phase(h_ptr, wgu, act_ptr, h_ptr, norm_post + layer * DM, M, I, DM, eps,
-                        pid, P, BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, True, True, False)
+                        pid, P, BLOCK_M, BN_GATE_UP, BLOCK_K, DOT, IEEE, True, True, False)
             _grid_sync(counter_ptr, (passed + 4) * P)
             _gemm_phase(act_ptr, wd, h_ptr, h_ptr, h_ptr, M, DM, I, eps,
-                        pid, P, BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, False, False, True)
+                        pid, P, BLOCK_M, BN_DOWN, BLOCK_K, DOT, IEEE, False, False, True)
             if layer + 1 < L:
                 _grid_sync(counter_ptr, (passed + 5) * P)
         # The last arrival: no program waits for it (the kernel's end is the barrier), and the program
@@ -936,23 +936,33 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
 
-# Launch configs `stack_decode` times (the first is taken untimed): column blocks of BLOCK_N weight rows
-# on the tensor cores, or for 1-2 rows on the CUDA cores too (more, narrower blocks to deal out).
-_STACK_DOT_CONFIGS = [dict(DOT=True, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for n, k, w, st in
-                      ((16, 256, 4, 3), (16, 128, 4, 4), (16, 512, 4, 2), (32, 128, 4, 3))]
-_STACK_GEMV_CONFIGS = [dict(DOT=False, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for n, k, w, st in
-                       ((8, 256, 4, 3), (4, 512, 4, 3))]
+# Launch configs `stack_decode` times (the first is taken untimed): its GEMMs on the tensor cores, or for
+# 1-2 rows on the CUDA cores too; a GEMM's column blocks are as wide as it takes to give every program
+# about one (`_phase_width`): a program's blocks run one after the other, so each pays its loads' latency.
+_STACK_DOT_CONFIGS = [dict(DOT=True, BLOCK_K=k, num_warps=w, num_stages=st) for k, w, st in
+                      ((256, 4, 3), (128, 4, 4), (256, 8, 3))]
+_STACK_GEMV_CONFIGS = [dict(DOT=False, BLOCK_K=k, num_warps=w, num_stages=st) for k, w, st in
+                       ((128, 4, 3), (128, 8, 3), (64, 4, 4))]
 
 
 def stack_decode_configs(rows: int) -> list[dict]:
     return _STACK_DOT_CONFIGS + (_STACK_GEMV_CONFIGS if rows <= GEMV_ROWS else [])
 
 
+def _phase_width(n: int, programs: int, dot: bool) -> int:
+    """Columns a block of an n-column GEMM phase spread over `programs`: about one block each, a power
+    of two, at least a tensor-core tile (16) with DOT, at most 64 (32 on the CUDA cores)."""
+    return max(16 if dot else 2, min(triton.next_power_of_2(triton.cdiv(n, programs)), 64 if dot else 32))
+
+
 @functools.cache
 def _programs(device: torch.device) -> int:
     """The grid of a persistent kernel: one program an SM (on the CPU, Triton's interpreter runs the
     programs one after the other, so a barrier would wait forever for a second one: one)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return min(sms, int(os.environ.get("QWEN3_TTS_PERSISTENT_PROGRAMS", sms)))
 
 
 def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start: torch.Tensor,
@@ -978,17 +988,21 @@ def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start:
     attn = x.new_empty(rows, nq)
     act = x.new_empty(rows, inter)
 
+    programs = _programs(x.device)
+    width = lambda n, c: _phase_width(n, programs, c["DOT"])  # noqa: E731
+
     def launch(c, cache=cache, start=start, compile_only=False):
         block_kv = max(16, min(64, triton.next_power_of_2(cache.capacity), cache.page_size))
-        _launch(_stack_decode_kernel, (_programs(x.device),),
+        _launch(_stack_decode_kernel, (programs,),
                 (x, h, qkv, attn, act, stacked.barrier, stacked.qkv, stacked.o, stacked.gate_up, stacked.down,
                  stacked.input_norm, stacked.post_norm, stacked.q_norm, stacked.k_norm, inv_freq,
                  cache.anchor, cache.table, start, cache.table.stride(0), cache.layer_offsets(1)[0],
                  cache.capacity, b, layers, dm, inter, stacked.eps, head_dim ** -0.5),
                 dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
                      M_ATT=max(16, triton.next_power_of_2(t * heads // kv_heads)), PAGE=cache.page_size,
-                     BLOCK_KV=block_kv, BLOCK_M=16 if c["DOT"] else GEMV_ROWS, BLOCK_N=c["BLOCK_N"],
-                     BLOCK_K=c["BLOCK_K"], DOT=c["DOT"], IEEE=x.dtype == torch.float32,
+                     BLOCK_KV=block_kv, BLOCK_M=16 if c["DOT"] else GEMV_ROWS, BLOCK_K=c["BLOCK_K"],
+                     BN_QKV=width(qkv.shape[1], c), BN_O=width(dm, c), BN_GATE_UP=width(inter, c),
+                     BN_DOWN=width(dm, c), DOT=c["DOT"], IEEE=x.dtype == torch.float32,
                      num_warps=c["num_warps"], num_stages=c["num_stages"], **_pdl(x, prefetch=True)), compile_only)
 
     scratch = functools.cache(lambda: _timing_cache(cache, layers, b, t, start))
