@@ -822,9 +822,10 @@ def _timing_cache(cache, layers: int, rows: int, t: int, start: torch.Tensor):
     return scratch, 0, torch.full((rows,), max(0, keys - t), dtype=start.dtype, device=start.device)
 
 
-# One launch for a whole decode forward of a transformer stack (`stack_decode`); QWEN3_TTS_PERSISTENT=0:
-# a kernel per GEMM and attention core instead.
-PERSISTENT = os.environ.get("QWEN3_TTS_PERSISTENT", "1") != "0"
+# QWEN3_TTS_PERSISTENT=1: a whole decode forward of a transformer stack up to 16 rows in one launch
+# (`stack_decode`) instead of a kernel per GEMM and attention core. Opt-in: on an H100 it was 4% slower
+# at one row and 14% at eight (bench/README.md, 2026-12-06 second session).
+PERSISTENT = os.environ.get("QWEN3_TTS_PERSISTENT", "0") == "1"
 
 if triton is not None:
     @triton.jit
@@ -837,17 +838,6 @@ if triton is not None:
         while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
             pass
         tl.debug_barrier()
-
-    @triton.jit
-    def _prefetch_share_l2(base, n, pid, P):
-        """Ask L2 for this program's share (one of P) of the n contiguous elements at base: a phase
-        of a persistent kernel asks, with every program, for the weights of the phase after it."""
-        LINE: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth     # elements a line
-        lines = tl.cdiv(n, LINE)
-        per = tl.cdiv(lines, P)
-        end = tl.minimum(pid * per + per, lines)
-        for first in range(pid * per, end, 128):      # 128 lines at a time, each a "row" of one line
-            _prefetch_rows_l2(base + first * LINE, end - first, LINE, LINE, 128, LINE)
 
     @triton.jit
     def _gemm_phase(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, pid, P,
@@ -867,21 +857,19 @@ if triton is not None:
             T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
             M_ATT: tl.constexpr, PAGE: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_M: tl.constexpr,
             BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GATE_UP: tl.constexpr, BN_DOWN: tl.constexpr,
-            BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+            BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         """`DecoderStack._decode` in one launch: per layer the same five steps as its kernels (QKV GEMM
         with the input norm, attention core, output GEMM + residual, gate/up GEMM with the norm and the
         gate, down GEMM + residual), each dealt out over the grid's programs, with a grid barrier
-        between them. h = the residual stream [B*T, DM] (the input x copied in first). Each step asks
-        L2 for the next GEMM's weights, every program a share, before it computes: the weights stream
-        from memory one step ahead, behind the barriers and the work. The grid must fit on the GPU at
-        once (one program an SM): a barrier waits for every program."""
+        between them (~1.1 us each on an H100 with a program an SM). h = the residual stream [B*T, DM]
+        (the input x copied in first). The grid must fit on the GPU at once (one program an SM): a
+        barrier waits for every program. (Each step asking L2 for the next GEMM's weights, every program
+        a share, made it 8% slower at one row on an H100.)"""
         pid = tl.program_id(0)
         P = tl.num_programs(0)
         M = B * T
         NQ = HQ * D
         NQKV = (HQ + 2 * HKV) * D
-        if PREFETCH:
-            _prefetch_share_l2(w_qkv, NQKV * DM, pid, P)
         if PDL:
             tl.extra.cuda.gdc_wait()
         rows = tl.arange(0, BLOCK_M)[:, None]
@@ -895,13 +883,9 @@ if triton is not None:
             wo = w_o + layer * DM * NQ
             wgu = w_gate_up + layer * 2 * I * DM
             wd = w_down + layer * DM * I
-            if PREFETCH:
-                _prefetch_share_l2(wo, DM * NQ, pid, P)
             _gemm_phase(h_ptr, w_qkv + layer * NQKV * DM, qkv_ptr, h_ptr, norm_in + layer * DM, M, NQKV, DM, eps,
                         pid, P, BLOCK_M, BN_QKV, BLOCK_K, DOT, IEEE, True, False, False)
             _grid_sync(counter_ptr, (passed + 1) * P)
-            if PREFETCH:
-                _prefetch_share_l2(wgu, 2 * I * DM, pid, P)
             for item in range(pid, B * HKV, P):
                 b = item // HKV
                 kvh = item % HKV
@@ -911,14 +895,9 @@ if triton is not None:
                                  tl.load(start_ptr + b), norm_q + layer * D, norm_k + layer * D, inv_freq_ptr,
                                  NQKV, NQ, capacity, eps, scale, kvh, T, G, HQ, HKV, D, M_ATT, PAGE, BLOCK_KV, IEEE)
             _grid_sync(counter_ptr, (passed + 2) * P)
-            if PREFETCH:
-                _prefetch_share_l2(wd, DM * I, pid, P)
             _gemm_phase(attn_ptr, wo, h_ptr, h_ptr, h_ptr, M, DM, NQ, eps,
                         pid, P, BLOCK_M, BN_O, BLOCK_K, DOT, IEEE, False, False, True)
             _grid_sync(counter_ptr, (passed + 3) * P)
-            if PREFETCH:
-                if layer + 1 < L:
-                    _prefetch_share_l2(w_qkv + (layer + 1) * NQKV * DM, NQKV * DM, pid, P)
             _gemm_phase(h_ptr, wgu, act_ptr, h_ptr, norm_post + layer * DM, M, I, DM, eps,
                         pid, P, BLOCK_M, BN_GATE_UP, BLOCK_K, DOT, IEEE, True, True, False)
             _grid_sync(counter_ptr, (passed + 4) * P)
@@ -1003,7 +982,7 @@ def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start:
                      BLOCK_KV=block_kv, BLOCK_M=16 if c["DOT"] else GEMV_ROWS, BLOCK_K=c["BLOCK_K"],
                      BN_QKV=width(qkv.shape[1], c), BN_O=width(dm, c), BN_GATE_UP=width(inter, c),
                      BN_DOWN=width(dm, c), DOT=c["DOT"], IEEE=x.dtype == torch.float32,
-                     num_warps=c["num_warps"], num_stages=c["num_stages"], **_pdl(x, prefetch=True)), compile_only)
+                     num_warps=c["num_warps"], num_stages=c["num_stages"], **_pdl(x)), compile_only)
 
     scratch = functools.cache(lambda: _timing_cache(cache, layers, b, t, start))
 
