@@ -29,6 +29,10 @@
   `linear` streams do not depend on the kernel before it, nor do the keys and values `decode_attention`
   reads from earlier steps, so each asks L2 for them before it waits: their read from memory overlaps
   the kernel before instead of following it.
+- `stack_decode` (opt-in, `QWEN3_TTS_PERSISTENT=1`) runs a stack's whole decode forward up to 16 rows
+  as one persistent launch: the same GEMM and attention code dealt out over one program an SM, a grid
+  barrier between a layer's steps. It computes what the layer kernels compute but was not faster on
+  an H100 or H200 (a barrier costs ~1 us, a step's work as much as a kernel's: bench/README.md).
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
 The tests run the Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
