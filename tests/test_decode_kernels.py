@@ -145,6 +145,7 @@ def test_fused_decode_reproduces_golden_codes(fused_model, golden_cases, golden_
         assert n == min(8, z[f"codes_{i}"].shape[0])
 
 
+@pytest.mark.parametrize("fused_model", ["layer_kernels"], indirect=True)
 def test_fused_decode_samples_the_same_frames(tiny_model_dir, fused_model):
     """Seeded sampling over rows of different lengths: the same frames with and without the kernels."""
     plain = load_model(tiny_model_dir)
