@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.kernels import _grid_sync
+from engine.model.kernels import _grid_last_arrival, _grid_sync
 
 
 @triton.jit
@@ -22,9 +22,7 @@ def _barriers(counter_ptr, n):
     P = tl.num_programs(0)
     for i in range(n):
         _grid_sync(counter_ptr, (i + 1) * P)
-    tl.debug_barrier()
-    if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == (n + 1) * P - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    _grid_last_arrival(counter_ptr, (n + 1) * P)
 
 
 def main() -> int:

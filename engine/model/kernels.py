@@ -806,7 +806,8 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     scratch = functools.cache(lambda: _timing_cache(cache, 1, b, t, start))
 
     def launch_on_scratch(c, compile_only=False):
-        launch(c, *scratch(), compile_only=compile_only)
+        scratch_cache, scratch_start = scratch()
+        launch(c, scratch_cache, 0, scratch_start, compile_only=compile_only)
 
     if config is None:
         key = ("attention", b, t, heads, kv_heads, head_dim, qkv.dtype, cache.capacity, cache.page_size)
@@ -817,13 +818,13 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
 
 def _timing_cache(cache, layers: int, rows: int, t: int, start: torch.Tensor):
     """A scratch cache like `cache` (`layers` layers, `rows` slots of ATTENTION_TIMING_KEYS keys, every
-    page its own), its first layer and the start of rows whose T new positions end it: what a kernel that writes into
+    page its own) and the start of rows whose T new positions end it: what a kernel that writes into
     the cache is timed on (the live lengths at warm-up say nothing of the load, and timing must not
     write into live rows)."""
     keys = min(ATTENTION_TIMING_KEYS, cache.capacity)
     scratch = type(cache)(layers, rows, keys, cache.kv_heads, cache.head_dim, cache.anchor.dtype, cache.anchor.device,
                           cache.page_size, reserve_all=True, separate_pages=cache.separate_pages)
-    return scratch, 0, torch.full((rows,), max(0, keys - t), dtype=start.dtype, device=start.device)
+    return scratch, torch.full((rows,), max(0, keys - t), dtype=start.dtype, device=start.device)
 
 
 # QWEN3_TTS_PERSISTENT=1: a whole decode forward of a transformer stack up to 16 rows in one launch
@@ -842,6 +843,15 @@ if triton is not None:
         while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
             pass
         tl.debug_barrier()
+
+    @triton.jit
+    def _grid_last_arrival(counter_ptr, target):
+        """A persistent kernel's last arrival (`target`: all its arrivals, every program's): no program
+        waits for it (the kernel's end is the barrier), and the program that completes it sets the
+        counter back to 0 for the next launch; by then every other program has passed its last wait."""
+        tl.debug_barrier()
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == target - 1:
+            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _gemm_phase(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, pid, P,
@@ -909,12 +919,7 @@ if triton is not None:
                         pid, P, BLOCK_M, BN_DOWN, BLOCK_K, DOT, IEEE, False, False, True)
             if layer + 1 < L:
                 _grid_sync(counter_ptr, (passed + 5) * P)
-        # The last arrival: no program waits for it (the kernel's end is the barrier), and the program
-        # that completes it sets the counter back to 0 for the next launch; by then every other
-        # program has passed its last wait.
-        tl.debug_barrier()
-        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == (5 * L + 1) * P - 1:
-            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+        _grid_last_arrival(counter_ptr, (5 * L + 1) * P)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
 
@@ -991,8 +996,7 @@ def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start:
     scratch = functools.cache(lambda: _timing_cache(cache, layers, b, t, start))
 
     def launch_on_scratch(c, compile_only=False):
-        scratch_cache, _, scratch_start = scratch()
-        launch(c, scratch_cache, scratch_start, compile_only=compile_only)
+        launch(c, *scratch(), compile_only=compile_only)
 
     if config is None:
         key = ("stack_decode", rows if rows <= GEMV_ROWS else SKINNY_ROWS, t, layers, dm, x.dtype,
