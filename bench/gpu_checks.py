@@ -104,6 +104,28 @@ def vocoder_kernels_vs_torch_ops(model) -> dict:
     return dict(check="vocoder_kernels_vs_torch_ops", **e, ok=e["rel_rms"] < 0.03)
 
 
+def vocoder_channels_last_vs_first(model) -> dict:
+    """The streamed windows with the convs over channels-last activations (the default on CUDA) and
+    over channels-first ones (`vocoder.CHANNELS_LAST` off): the same audio up to bf16 rounding."""
+    from engine.model import vocoder
+    dev, b = model.device, 3
+    codes = torch.randint(0, 2048, (b, 31, 16), device=dev, generator=torch.Generator(device=dev).manual_seed(5))
+    idx = torch.arange(b, device=dev)
+
+    def windows():
+        streams, pieces, t = VocoderStreams(model.vocoder, 4), [], 0
+        for w in (3, 8, 5, 7, 1, 2, 5):
+            pieces.append(streams.decode(idx, codes[:, t:t + w]))
+            t += w
+        return torch.cat(pieces, dim=1)
+    last = windows()
+    with mock.patch.object(vocoder, "CHANNELS_LAST", False):
+        first = windows()
+    e = err(last, first)
+    # cuDNN's kernels for either layout round differently: bf16 rounding apart, not more
+    return dict(check="vocoder_channels_last_vs_first", **e, ok=e["rel_rms"] < 0.03)
+
+
 def scheduler_graphs_vs_eager(model) -> dict:
     voice = model.make_voice(np.random.default_rng(0).standard_normal(48000).astype(np.float32) * 0.1, 24000)
     out = {}
@@ -276,7 +298,7 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="comma-separated names of the checks to run (default: all)")
     args = ap.parse_args()
     checks = (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops,
-              scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
+              vocoder_channels_last_vs_first, scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
               dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, persistent_stack_vs_layer_kernels)
     if args.only:
         names = args.only.split(",")

@@ -91,6 +91,18 @@ def main() -> None:
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(30)
     print(f"scheduler iteration B={b}: {per:.1f} ms wall (profiled); profile:\n{s.getvalue()[:8000]}")
+
+    # The same iterations as served (step and vocoder graphs replayed, the default vocoder batch):
+    # the GPU kernels inside the graphs, per frame.
+    frames = 16
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(frames):
+            sched._iterate()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events) / 1000
+    print(f"served iterations B={b}: {total / frames:.2f} ms of GPU kernels a frame; top kernels over {frames} frames:")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
     del handles
 
 

@@ -20,6 +20,7 @@ from .config import ModelConfig, ModelFolderError, load_config
 from .model.codec_encoder import CodecEncoder
 from .model.speaker import SpeakerEncoder
 from .model.talker import Talker
+from .model import vocoder as vocoder_module
 from .model.vocoder import UNUSED_KEYS as VOCODER_UNUSED, Vocoder
 from .prompt import PromptBuilder
 from .requests import VoicePrompt
@@ -162,6 +163,8 @@ def load_model(model_dir_or_hub_id: str | Path, device: str | torch.device = "cp
         talker.code_predictor.model.fuse()
         talker.tabulate_text()
         torch.cuda.empty_cache()     # the text embedding's memory goes back to the device
+    vocoder = _place(vocoder, device, codec_dtype)
+    if device.type == "cuda" and vocoder_module.CHANNELS_LAST:    # its convs run channels-last there
+        vocoder.channels_last_weights()
     return TTSModel(config, tokenizer, talker, _place(speaker, device, dtype),
-                    _place(encoder, device, codec_dtype), _place(vocoder, device, codec_dtype),
-                    device, dtype, model_dir)
+                    _place(encoder, device, codec_dtype), vocoder, device, dtype, model_dir)

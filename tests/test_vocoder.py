@@ -17,6 +17,7 @@ import torch
 from engine.config import load_config
 from engine.model.vocoder import UNUSED_KEYS, Vocoder, VocoderStreams
 from engine.weights import load_into, read_safetensors
+from tests.triton_cpu import require_triton
 
 SPF = 1920
 GOLDEN_TOL = 1e-4
@@ -186,6 +187,35 @@ def test_bf16_keeps_fp32_rope_and_streams(vocoder, random_codes):
     assert wav.dtype == torch.float32 and wav.shape == (2, 2 * SPF)
     assert torch.isfinite(wav).all() and wav.abs().max().item() <= 1.0
     assert streams.frames[:2].tolist() == [2, 2]
+
+
+def test_channels_last_convs_stream_the_same_audio(vocoder, random_codes, monkeypatch):
+    """On CUDA the convs run as 2-D convs over activations with their channels adjacent in memory, the
+    weights stored so too (`Vocoder.channels_last_weights`), and the Triton kernels between them keep
+    that layout. All forced on here on the CPU (the kernels in Triton's interpreter): the streamed
+    audio is the channels-first path's, and past the pre-conv every conv reads its activation and
+    weight in place (a layout copy of one would cost a pass over it; on CUDA the output conv's
+    weight, zero-padded to 16 channels there, is copied too: 16 x 96 x 7 numbers)."""
+    from engine.model import vocoder as vocoder_module
+    kernels = require_triton()
+    monkeypatch.setattr(vocoder_module, "snake_beta", kernels.snake_beta_triton)
+    monkeypatch.setattr(vocoder_module, "residual_tail", kernels.residual_tail_triton)
+    schedule, codes = [2, 3], random_codes[:5]
+    plain = stream(VocoderStreams(vocoder, 2), 1, codes, schedule)
+    copies = []
+
+    def as_2d(x):
+        copies.append(not x.unsqueeze(2).is_contiguous(memory_format=torch.channels_last))
+        return torch.Tensor.contiguous(x.unsqueeze(2), memory_format=torch.channels_last)
+    monkeypatch.setattr(vocoder_module, "_channels_last", lambda x: True)
+    monkeypatch.setattr(vocoder_module, "_as_2d", as_2d)
+    last = stream(VocoderStreams(copy.deepcopy(vocoder).channels_last_weights(), 2), 1, codes, schedule)
+    assert maxdiff(last, plain) < GOLDEN_TOL
+    # every conv but the residual units' 1x1 ones (in `residual_tail`): an input and a weight each
+    convs = sum(isinstance(m, (vocoder_module.CausalConv1d, vocoder_module.CausalConvTranspose1d)) for m in vocoder.modules())
+    units = sum(isinstance(m, vocoder_module.ResidualUnit) for m in vocoder.modules())
+    assert len(copies) == 2 * (convs - units) * len(schedule)
+    assert sum(copies) == len(schedule)          # the pre-conv's input (the quantizer's output) alone
 
 
 def test_stream_state_of_the_12hz_decoder_is_under_a_megabyte():

@@ -14,35 +14,49 @@ def kernels():
     return require_triton()
 
 
+def channels_adjacent(x):
+    """x [B, C, T] in the vocoder's CUDA layout: channels adjacent in memory."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n_left", [0, 54])
-def test_snake_beta_matches_the_reference(kernels, with_bias, n_left):
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+def test_snake_beta_matches_the_reference(kernels, with_bias, n_left, layout):
     g = torch.Generator().manual_seed(0)
-    # T spans two blocks; x a slice along time of a longer tensor (a transposed conv's kept samples)
-    x = (torch.randn(2, 3, 1506, generator=g) * 2)[..., 3:1503]
-    log_alpha, log_beta, bias = (torch.randn(3, generator=g) * 0.5 for _ in range(3))
+    # T spans several blocks, C two; x a slice along time of a longer tensor (a transposed conv's kept samples)
+    x = (torch.randn(2, 40, 306, generator=g) * 2)
+    x = (x if layout == "channels_first" else channels_adjacent(x))[..., 3:303]
+    log_alpha, log_beta, bias = (torch.randn(40, generator=g) * 0.5 for _ in range(3))
     b = bias if with_bias else None
     # a conv's context, copied ahead: a view into rows of a stream state, as `VocoderStreams.decode` passes it
-    left = torch.randn(2, 5 + 3 * n_left, generator=g)[:, 5:].view(2, 3, n_left) if n_left else None
+    left = torch.randn(2, 5 + 40 * n_left, generator=g)[:, 5:].view(2, 40, n_left) if n_left else None
     out = kernels.snake_beta_triton(x, log_alpha, log_beta, b, left)
-    assert out.shape == (2, 3, n_left + 1500)
+    assert out.shape == (2, 40, n_left + 300)
+    assert (out.stride(1) == 1) == (layout == "channels_last")        # the output keeps x's layout
     torch.testing.assert_close(out, kernels.snake_beta_reference(x, log_alpha, log_beta, b, left), atol=1e-5, rtol=1e-5)
     if left is not None:
         assert torch.equal(out[..., :n_left], left)
 
 
-@pytest.mark.parametrize("channels, samples", [(96, 150), (40, 64), (8, 7), (160, 130)])
+@pytest.mark.parametrize("channels, samples, layout", [(96, 150, "channels_first"), (40, 64, "channels_first"),
+                                                       (8, 7, "channels_first"), (160, 130, "channels_first"),
+                                                       (96, 150, "channels_last"), (40, 64, "channels_last")])
 @pytest.mark.parametrize("config", range(4))
-def test_residual_tail_matches_the_reference(kernels, channels, samples, config):
+def test_residual_tail_matches_the_reference(kernels, channels, samples, layout, config):
     """SnakeBeta (with the dilated conv's bias), the 1x1 conv and its bias, the residual add: one
     kernel, in tiles of each config's channels by samples (partial ones at every edge here), in
-    32-channel steps."""
+    32-channel steps; on tensors of either layout (the output in y's)."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, channels, samples + 6, generator=g)[..., 3:-3]   # a slice along time, read in place
+    x = torch.randn(2, channels, samples + 6, generator=g)
     y = torch.randn(2, channels, samples, generator=g)
+    if layout == "channels_last":
+        x, y = channels_adjacent(x), channels_adjacent(y)
+    x = x[..., 3:-3]                                           # a slice along time, read in place
     log_alpha, log_beta, y_bias, bias = (torch.randn(channels, generator=g) * 0.5 for _ in range(4))
     weight = torch.randn(channels, channels, 1, generator=g) / channels ** 0.5
     cfg = kernels.RESIDUAL_TAIL_CONFIGS[config]
-    torch.testing.assert_close(kernels.residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, cfg),
-                               kernels.residual_tail_reference(x, y, log_alpha, log_beta, y_bias, weight, bias),
+    out = kernels.residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, cfg)
+    assert (out.stride(1) == 1) == (layout == "channels_last")
+    torch.testing.assert_close(out, kernels.residual_tail_reference(x, y, log_alpha, log_beta, y_bias, weight, bias),
                                atol=1e-5, rtol=1e-5)

@@ -129,36 +129,44 @@ if triton is not None:
         return (x + inv_beta * s * s).to(dtype)
 
     @triton.jit
-    def _snake_beta_kernel(x_ptr, y_ptr, a_ptr, b_ptr, bias_ptr, left_ptr, C, T, L, stride_xb, stride_xc,
-                           stride_left, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)                      # one (batch, channel) row: L samples of left, T of x
-        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = col < L + T
-        c = row % C
-        x_row = x_ptr + (row // C).to(tl.int64) * stride_xb + c * stride_xc
-        x = tl.load(x_row + col - L, mask=mask & (col >= L)).to(tl.float32)
-        y = _snake(x, tl.load(a_ptr + c), tl.load(b_ptr + c), tl.load(bias_ptr + c), HAS_BIAS, y_ptr.dtype.element_ty)
-        if HAS_LEFT:                                # copied as it is, ahead of the new samples
-            left = tl.load(left_ptr + (row // C) * stride_left + c * L + col, mask=mask & (col < L))
-            y = tl.where(col < L, left, y)
-        tl.store(y_ptr + row * (L + T) + col, y, mask=mask)
+    def _snake_beta_kernel(x_ptr, y_ptr, a_ptr, b_ptr, bias_ptr, left_ptr, C, T, L, stride_xb, stride_xc, stride_xt,
+                           stride_yb, stride_yc, stride_yt, stride_left, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr,
+                           BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+        """A [BLOCK_C channels, BLOCK_T samples] tile of one stream's [left, snake(x)] (x, y in either
+        layout: the strides say which of channels or samples are adjacent)."""
+        col = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)       # output sample: L of left, T of x
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        b = tl.program_id(2).to(tl.int64)
+        cm = c < C
+        mask = cm[:, None] & (col < L + T)[None, :]
+        x = tl.load(x_ptr + b * stride_xb + c[:, None] * stride_xc + (col - L)[None, :] * stride_xt,
+                    mask=mask & (col >= L)[None, :]).to(tl.float32)
+        y = _snake(x, tl.load(a_ptr + c, mask=cm)[:, None], tl.load(b_ptr + c, mask=cm)[:, None],
+                   tl.load(bias_ptr + c, mask=cm)[:, None], HAS_BIAS, y_ptr.dtype.element_ty)
+        if HAS_LEFT:                                # copied as it is, ahead of the new samples ([C, L] a stream)
+            left = tl.load(left_ptr + b * stride_left + c[:, None] * L + col[None, :], mask=mask & (col < L)[None, :])
+            y = tl.where((col < L)[None, :], left, y)
+        tl.store(y_ptr + b * stride_yb + c[:, None] * stride_yc + col[None, :] * stride_yt, y, mask=mask)
 
     @triton.jit
     def _residual_tail_kernel(x_ptr, y_ptr, out_ptr, a_ptr, b_ptr, y_bias_ptr, w_ptr, bias_ptr, C, T,
-                              stride_xb, stride_xc, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_T: tl.constexpr,
-                              IEEE: tl.constexpr):
+                              stride_xb, stride_xc, stride_xt, stride_yb, stride_yc, stride_yt,
+                              stride_ob, stride_oc, stride_ot, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr,
+                              BLOCK_T: tl.constexpr, IEEE: tl.constexpr):
         """A [BLOCK_CO channels, BLOCK_T samples] tile of one stream's output: the SnakeBeta of y's
         tile, channel block by channel block, into the 1x1 conv's GEMM (tensor cores), then its bias
-        and the residual x. y and x are read once, out written once (the separate ops: 3 passes)."""
+        and the residual x. y and x are read once, out written once (the separate ops: 3 passes).
+        x, y and out in either layout (the strides say which of channels or samples are adjacent)."""
         dtype = out_ptr.dtype.element_ty
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         co = tl.program_id(1) * BLOCK_CO + tl.arange(0, BLOCK_CO)
-        base = tl.program_id(2).to(tl.int64) * C * T
+        b = tl.program_id(2).to(tl.int64)
         acc = tl.zeros([BLOCK_CO, BLOCK_T], tl.float32)
         for ci0 in range(0, C, BLOCK_CI):
             ci = ci0 + tl.arange(0, BLOCK_CI)
             cm = ci < C
-            y = tl.load(y_ptr + base + ci[:, None] * T + t[None, :], mask=cm[:, None] & (t[None, :] < T), other=0.0)
+            y = tl.load(y_ptr + b * stride_yb + ci[:, None] * stride_yc + t[None, :] * stride_yt,
+                        mask=cm[:, None] & (t[None, :] < T), other=0.0)
             h = _snake(y.to(tl.float32), tl.load(a_ptr + ci, mask=cm, other=0.0)[:, None],
                        tl.load(b_ptr + ci, mask=cm, other=0.0)[:, None],
                        tl.load(y_bias_ptr + ci, mask=cm, other=0.0)[:, None], True, dtype)
@@ -169,9 +177,10 @@ if triton is not None:
                 acc += tl.dot(w, h)
         mask = (co[:, None] < C) & (t[None, :] < T)
         conv = acc.to(dtype).to(tl.float32) + tl.load(bias_ptr + co, mask=co < C, other=0.0).to(tl.float32)[:, None]
-        x_rows = x_ptr + tl.program_id(2).to(tl.int64) * stride_xb + co[:, None] * stride_xc
-        x = tl.load(x_rows + t[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + base + co[:, None] * T + t[None, :], (x + conv.to(dtype).to(tl.float32)).to(dtype), mask=mask)
+        x = tl.load(x_ptr + b * stride_xb + co[:, None] * stride_xc + t[None, :] * stride_xt, mask=mask,
+                    other=0.0).to(tl.float32)
+        tl.store(out_ptr + b * stride_ob + co[:, None] * stride_oc + t[None, :] * stride_ot,
+                 (x + conv.to(dtype).to(tl.float32)).to(dtype), mask=mask)
 
 
 def snake_beta(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
@@ -183,22 +192,31 @@ def snake_beta(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
     return snake_beta_triton(x, log_alpha, log_beta, bias, left)
 
 
-def _rows_of_samples(x: torch.Tensor) -> torch.Tensor:
-    """x [B, C, T] with each row's samples adjacent (a slice along time is read in place), else a copy."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+def new_samples(like: torch.Tensor, samples: int) -> torch.Tensor:
+    """An empty [B, C, samples] tensor in like's [B, C, T] layout: its channels adjacent in memory
+    (strides (samples * C, 1, C), the vocoder's activations on CUDA) if like's are, else contiguous."""
+    b, c, _ = like.shape
+    if c > 1 and like.stride(1) == 1:
+        return like.new_empty(b, samples, c).transpose(1, 2)
+    return like.new_empty(b, c, samples)
+
+
+# Tiles of the SnakeBeta kernel: channels by samples (channels adjacent in memory, the vocoder's layout
+# on CUDA, load along BLOCK_C; samples adjacent, along BLOCK_T).
+SNAKE_BLOCK_C, SNAKE_BLOCK_T = 32, 128
 
 
 def snake_beta_triton(x, log_alpha, log_beta, bias=None, left=None) -> torch.Tensor:
-    x = _rows_of_samples(x)
     b, c, t = x.shape
     n_left = 0 if left is None else left.shape[-1]
     if left is not None and left[0].stride() != (n_left, 1):     # rows of a stream's state are [C, L] blocks
         left = left.contiguous()
-    y = x.new_empty(b, c, n_left + t)
-    _snake_beta_kernel[(b * c, triton.cdiv(n_left + t, 1024))](
+    y = new_samples(x, n_left + t)
+    grid = (triton.cdiv(n_left + t, SNAKE_BLOCK_T), triton.cdiv(c, SNAKE_BLOCK_C), b)
+    _snake_beta_kernel[grid](
         x, y, log_alpha, log_beta, x if bias is None else bias, x if left is None else left, c, t, n_left,
-        x.stride(0), x.stride(1), 0 if left is None else left.stride(0),
-        HAS_BIAS=bias is not None, HAS_LEFT=left is not None, BLOCK=1024)
+        *x.stride(), *y.stride(), 0 if left is None else left.stride(0),
+        HAS_BIAS=bias is not None, HAS_LEFT=left is not None, BLOCK_C=SNAKE_BLOCK_C, BLOCK_T=SNAKE_BLOCK_T)
     return y
 
 
@@ -227,18 +245,18 @@ def residual_tail_configs(channels: int) -> list[dict]:
 def residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, config: dict | None = None) -> torch.Tensor:
     """`residual_tail` with one of `residual_tail_configs` (default: the fastest for these shapes,
     timed once on the GPU)."""
-    x, y = _rows_of_samples(x), y.contiguous()
     b, c, t = x.shape
-    out = torch.empty_like(y)
+    out = new_samples(y, t)
 
     def launch(cfg, compile_only=False):
         grid = (triton.cdiv(t, cfg["BLOCK_T"]), triton.cdiv(c, cfg["BLOCK_CO"]), b)
         _launch(_residual_tail_kernel, grid,
-                (x, y, out, log_alpha, log_beta, y_bias, weight.reshape(c, c), bias, c, t, x.stride(0), x.stride(1)),
+                (x, y, out, log_alpha, log_beta, y_bias, weight.reshape(c, c), bias, c, t,
+                 *x.stride(), *y.stride(), *out.stride()),
                 dict(BLOCK_CO=cfg["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=cfg["BLOCK_T"], IEEE=x.dtype == torch.float32,
                      num_warps=cfg["num_warps"], num_stages=3), compile_only)
     if config is None:
-        key = ("residual_tail", c, triton.next_power_of_2(b * t), x.dtype)
+        key = ("residual_tail", c, triton.next_power_of_2(b * t), x.dtype, y.stride(1) == 1)
         config = _fastest(key, residual_tail_configs(c), launch)
     launch(config)
     return out

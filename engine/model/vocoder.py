@@ -11,6 +11,7 @@ stream keeps the context between windows in `VocoderStreams`.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from torch import nn
 
 from ..config import DecoderConfig
 from .layers import LayerScale, RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
-from .kernels import residual_tail, snake_beta
+from .kernels import new_samples, residual_tail, snake_beta
 
 # Checkpoint tensors the decode path never reads (the RVQ input projections serve encoding only);
 # pass to `engine.weights.warn_unused(..., ignore_prefixes=...)` with the "decoder." prefix.
@@ -36,11 +37,39 @@ def _prepend_context(op: nn.Module, x: torch.Tensor, context: dict, activation=N
     if not op.context_len:
         return x if activation is None else activation(x)
     if activation is None:
-        x = torch.cat([context[op], x], dim=-1)
+        x = _cat_samples(context[op], x)
     else:
         x = activation(x, left=context[op])
     context[op] = x[..., x.shape[-1] - op.context_len:].clone()
     return x
+
+
+def _cat_samples(left: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[left, x] along time, in x's layout (torch.cat of 3-D tensors returns channels first)."""
+    out = new_samples(x, left.shape[-1] + x.shape[-1])
+    out[..., :left.shape[-1]] = left
+    out[..., left.shape[-1]:] = x
+    return out
+
+
+# On CUDA the convs run over channels-last activations (`CausalConv1d`); QWEN3_TTS_CHANNELS_LAST=0: channels
+# first there too, as on the CPU (an A/B for the benchmarks).
+CHANNELS_LAST = os.environ.get("QWEN3_TTS_CHANNELS_LAST", "1") != "0"
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    return CHANNELS_LAST and x.is_cuda
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    """x [B, C, T] (or a weight [O, I, k]) as [B, C, 1, T] in channels-last layout: a view when x's
+    channels are adjacent in memory already, else a copy."""
+    return x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+
+
+def channels_adjacent(x: torch.Tensor) -> torch.Tensor:
+    """x [B, C, T] (or a weight [O, I, k]) with its channels adjacent in memory, strides (T*C, 1, C)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 MIN_CUDNN_OUT_CHANNELS = 16   # below this, cuDNN runs a conv with its slow generic kernel
@@ -49,9 +78,13 @@ MIN_CUDNN_OUT_CHANNELS = 16   # below this, cuDNN runs a conv with its slow gene
 class CausalConv1d(nn.Module):
     """Stride-1 conv whose left pad, (k-1)*dilation samples, is the previous input (zeros at the start).
 
-    On CUDA a conv with fewer than 16 output channels (the vocoder's last, to 1 channel) runs with its
-    weight zero-padded to 16 and the extra channels dropped: cuDNN has only its generic kernel for so
-    few (implicit_convolve_sgemm, 22% of an 8-frame window for 256 streams on an H200).
+    On CUDA the conv runs as a 2-D one over channels-last activations ([B, C, 1, T], channels adjacent
+    in memory): cuDNN's kernels take that layout, and with channels-first tensors it converted the
+    input and the output around every conv (an H100, 8-frame windows of 32 streams: each conv 37-52%
+    faster without, `bench.conv_layout`). A conv with fewer than 16 output channels (the vocoder's
+    last, to 1 channel) runs with its weight zero-padded to 16 and the extra channels dropped: cuDNN
+    has only its generic kernel for so few (implicit_convolve_sgemm, 22% of an 8-frame window for 256
+    streams on an H200).
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1, groups: int = 1):
@@ -70,8 +103,11 @@ class CausalConv1d(nn.Module):
         if x.is_cuda and pad > 0 and conv.groups == 1:
             weight = F.pad(weight, (0, 0, 0, 0, 0, pad))
             b = None if b is None else F.pad(b, (0, pad))
-            return F.conv1d(x, weight, b, dilation=conv.dilation)[:, :conv.out_channels]
-        return F.conv1d(x, weight, b, dilation=conv.dilation, groups=conv.groups)
+        if _channels_last(x):
+            y = F.conv2d(_as_2d(x), _as_2d(weight), b, dilation=(1, conv.dilation[0]), groups=conv.groups).squeeze(2)
+        else:
+            y = F.conv1d(x, weight, b, dilation=conv.dilation, groups=conv.groups)
+        return y[:, :conv.out_channels]
 
 
 class CausalConvTranspose1d(nn.Module):
@@ -93,6 +129,9 @@ class CausalConvTranspose1d(nn.Module):
         n = x.shape[-1] * self.stride
         x = _prepend_context(self, x, context, activation)
         first = self.context_len * self.stride            # output of the context inputs, already emitted
+        if _channels_last(x):      # as `CausalConv1d`
+            y = F.conv_transpose2d(_as_2d(x), _as_2d(self.conv.weight), self.conv.bias, stride=(1, self.stride))
+            return y.squeeze(2)[..., first:first + n]
         return F.conv_transpose1d(x, self.conv.weight, self.conv.bias, stride=self.stride)[..., first:first + n]
 
 
@@ -314,6 +353,14 @@ class Vocoder(nn.Module):
         ])
         self.samples_per_frame = math.prod(cfg.upsampling_ratios) * math.prod(cfg.upsample_rates)
         self.num_codebooks = cfg.num_quantizers
+
+    def channels_last_weights(self) -> "Vocoder":
+        """Every conv's weight with its input channels adjacent in memory (same values), so the
+        channels-last convs on CUDA read it in place instead of copying it each call."""
+        for m in self.modules():
+            if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)):
+                m.weight.data = channels_adjacent(m.weight.data)
+        return self
 
     def context_ops(self) -> list[nn.Module]:
         """The ops that look back in time, each with its `context_shape` (per stream), in module order."""
