@@ -211,8 +211,10 @@ def test_channels_last_convs_stream_the_same_audio(vocoder, random_codes, monkey
     monkeypatch.setattr(vocoder_module, "_as_2d", as_2d)
     last = stream(VocoderStreams(copy.deepcopy(vocoder).channels_last_weights(), 2), 1, codes, schedule)
     assert maxdiff(last, plain) < GOLDEN_TOL
-    # every conv but the residual units' 1x1 ones (in `residual_tail`): an input and a weight each
-    convs = sum(isinstance(m, (vocoder_module.CausalConv1d, vocoder_module.CausalConvTranspose1d)) for m in vocoder.modules())
+    # every conv but the residual units' 1x1 ones (in `residual_tail`) and the depthwise ones (channels
+    # first): an input and a weight each
+    convs = sum(isinstance(m, vocoder_module.CausalConvTranspose1d)
+                or isinstance(m, vocoder_module.CausalConv1d) and m.conv.groups == 1 for m in vocoder.modules())
     units = sum(isinstance(m, vocoder_module.ResidualUnit) for m in vocoder.modules())
     assert len(copies) == 2 * (convs - units) * len(schedule)
     assert sum(copies) == len(schedule)          # the pre-conv's input (the quantizer's output) alone

@@ -81,7 +81,8 @@ class CausalConv1d(nn.Module):
     On CUDA the conv runs as a 2-D one over channels-last activations ([B, C, 1, T], channels adjacent
     in memory): cuDNN's kernels take that layout, and with channels-first tensors it converted the
     input and the output around every conv (an H100, 8-frame windows of 32 streams: each conv 37-52%
-    faster without, `bench.conv_layout`). A conv with fewer than 16 output channels (the vocoder's
+    faster without, `bench.conv_layout`). Not a depthwise conv (the ConvNeXt blocks', at the low
+    rates): cuDNN ran that channels-last in a generic grouped kernel, ~41 ms a call at 32 streams. A conv with fewer than 16 output channels (the vocoder's
     last, to 1 channel) runs with its weight zero-padded to 16 and the extra channels dropped: cuDNN
     has only its generic kernel for so few (implicit_convolve_sgemm, 22% of an 8-frame window for 256
     streams on an H200).
@@ -103,10 +104,10 @@ class CausalConv1d(nn.Module):
         if x.is_cuda and pad > 0 and conv.groups == 1:
             weight = F.pad(weight, (0, 0, 0, 0, 0, pad))
             b = None if b is None else F.pad(b, (0, pad))
-        if _channels_last(x):
-            y = F.conv2d(_as_2d(x), _as_2d(weight), b, dilation=(1, conv.dilation[0]), groups=conv.groups).squeeze(2)
-        else:
-            y = F.conv1d(x, weight, b, dilation=conv.dilation, groups=conv.groups)
+        if _channels_last(x) and conv.groups == 1:
+            y = F.conv2d(_as_2d(x), _as_2d(weight), b, dilation=(1, conv.dilation[0])).squeeze(2)
+        else:     # channels first (depthwise in cuDNN's channels-last layout: a kernel 100x slower)
+            y = F.conv1d(x.contiguous() if x.is_cuda else x, weight, b, dilation=conv.dilation, groups=conv.groups)
         return y[:, :conv.out_channels]
 
 
@@ -358,7 +359,7 @@ class Vocoder(nn.Module):
         """Every conv's weight with its input channels adjacent in memory (same values), so the
         channels-last convs on CUDA read it in place instead of copying it each call."""
         for m in self.modules():
-            if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)):
+            if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)) and m.groups == 1:
                 m.weight.data = channels_adjacent(m.weight.data)
         return self
 
