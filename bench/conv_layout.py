@@ -1,7 +1,7 @@
 """The vocoder's convolutions in cuDNN with channels-first against channels-last activations.
 
-For each conv shape of an 8-frame window of --batch streams: the time (CUDA events, median, cuDNN
-benchmark mode as the captured windows use), the GPU kernels it runs (layout conversions show up as
+For each conv shape of a window of --frames frames of --batch streams: the time (CUDA events,
+median; cuDNN's benchmark mode as the captured windows of the largest size use, or its heuristics), the GPU kernels it runs (layout conversions show up as
 nchwToNhwc / nhwcToNchw) and the output's strides, with the input (and weight) as PyTorch makes
 them, and with [B, C, T] tensors whose channels are adjacent in memory (strides (T*C, 1, C)).
 
@@ -35,10 +35,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--frames", type=int, default=8, help="frames a window")
+    ap.add_argument("--benchmark", type=int, default=1,
+                    help="1: cuDNN times its algorithms (the captured windows of the largest size); 0: its heuristics")
     args = ap.parse_args()
-    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark = bool(args.benchmark)
     dev, dt, b = torch.device("cuda"), torch.bfloat16, args.batch
-    n = 8 * 1920                                    # samples of an 8-frame window at 24 kHz
+    n = args.frames * 1920                          # samples of a window at 24 kHz
     cases = [  # name, channels in, out, kernel, dilation, samples out (at the layer's rate), transposed stride
         ("unit k7 d9 96ch", 96, 96, 7, 9, n, 0),
         ("unit k7 d3 192ch", 192, 192, 7, 3, n // 3, 0),
@@ -49,7 +52,7 @@ def main() -> None:
         ("upsample k8 s4 384->192", 384, 192, 8, 1, n // 12, 4),
     ]
     for name, cin, cout, k, d, t, stride in cases:
-        row = dict(case=name, batch=b)
+        row = dict(case=name, batch=b, frames=args.frames, benchmark=args.benchmark)
         if stride:
             x = torch.randn(b, cin, t + 1, device=dev, dtype=dt)
             w = torch.randn(cin, cout, k, device=dev, dtype=dt) * 0.05

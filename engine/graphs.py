@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .host import to_device
+from .model import vocoder as vocoder_module
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -245,6 +246,8 @@ class VocoderGraphs:
         self.slots[:bucket].fill_(self.streams.pad_slot)    # capture touches only the spare slot's state
         slots, codes = self.slots[:bucket], self.codes[:bucket, :w]
         # the largest windows: the eager run times cuDNN's algorithms, the capture takes the fastest
-        tuned = cudnn_autotuned if w == self.windows[-1] else contextlib.nullcontext
+        # channels-last convs (opt-in) need every window size timed: cuDNN's heuristics picked a generic
+        # grouped kernel of ~43 ms for a 2-frame window's dilated conv (`bench.conv_layout --benchmark 0`)
+        tuned = cudnn_autotuned if w == self.windows[-1] or vocoder_module.CHANNELS_LAST else contextlib.nullcontext
         self.graphs[(bucket, w)] = capture_graph(lambda: self.streams.decode(slots, codes), self.pool, tuned)
         return self.graphs[(bucket, w)]

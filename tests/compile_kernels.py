@@ -83,7 +83,7 @@ def main() -> None:
                     build(k._snake_beta_kernel, dict(x_ptr=p, y_ptr=p, a_ptr=p, b_ptr=p, bias_ptr=p, left_ptr=p,
                                                      C=i32, T=i32, L=i32, stride_xb=i32, stride_xc=i32, stride_xt=i32,
                                                      stride_yb=i32, stride_yc=i32, stride_yt=i32, stride_left=i32),
-                          dict(HAS_BIAS=bias, HAS_LEFT=left, BLOCK_C=k.SNAKE_BLOCK_C, BLOCK_T=k.SNAKE_BLOCK_T,
+                          dict(HAS_BIAS=bias, HAS_LEFT=left, **dict(zip(("BLOCK_C", "BLOCK_T"), k.SNAKE_TILES[adjacent == "c"])),
                                **{n: 1 for n in unit if n[7] != "o"}))
             # every config `residual_tail` may time and pick (bf16); the first in fp32
             for c in k.RESIDUAL_TAIL_CONFIGS[:None if dtype == "bf16" else 1]:

@@ -201,9 +201,9 @@ def new_samples(like: torch.Tensor, samples: int) -> torch.Tensor:
     return like.new_empty(b, c, samples)
 
 
-# Tiles of the SnakeBeta kernel: channels by samples (channels adjacent in memory, the vocoder's layout
-# on CUDA, load along BLOCK_C; samples adjacent, along BLOCK_T).
-SNAKE_BLOCK_C, SNAKE_BLOCK_T = 32, 128
+# Tiles of the SnakeBeta kernel, channels by samples: 32 x 128 where channels are adjacent in memory
+# (`vocoder.CHANNELS_LAST`), one row of 1024 samples where samples are.
+SNAKE_TILES = {True: (32, 128), False: (1, 1024)}
 
 
 def snake_beta_triton(x, log_alpha, log_beta, bias=None, left=None) -> torch.Tensor:
@@ -212,11 +212,12 @@ def snake_beta_triton(x, log_alpha, log_beta, bias=None, left=None) -> torch.Ten
     if left is not None and left[0].stride() != (n_left, 1):     # rows of a stream's state are [C, L] blocks
         left = left.contiguous()
     y = new_samples(x, n_left + t)
-    grid = (triton.cdiv(n_left + t, SNAKE_BLOCK_T), triton.cdiv(c, SNAKE_BLOCK_C), b)
+    block_c, block_t = SNAKE_TILES[y.stride(1) == 1 and c > 1]
+    grid = (triton.cdiv(n_left + t, block_t), triton.cdiv(c, block_c), b)
     _snake_beta_kernel[grid](
         x, y, log_alpha, log_beta, x if bias is None else bias, x if left is None else left, c, t, n_left,
         *x.stride(), *y.stride(), 0 if left is None else left.stride(0),
-        HAS_BIAS=bias is not None, HAS_LEFT=left is not None, BLOCK_C=SNAKE_BLOCK_C, BLOCK_T=SNAKE_BLOCK_T)
+        HAS_BIAS=bias is not None, HAS_LEFT=left is not None, BLOCK_C=block_c, BLOCK_T=block_t)
     return y
 
 

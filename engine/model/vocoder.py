@@ -37,7 +37,7 @@ def _prepend_context(op: nn.Module, x: torch.Tensor, context: dict, activation=N
     if not op.context_len:
         return x if activation is None else activation(x)
     if activation is None:
-        x = _cat_samples(context[op], x)
+        x = _cat_samples(context[op], x) if _channels_last(x) else torch.cat([context[op], x], dim=-1)
     else:
         x = activation(x, left=context[op])
     context[op] = x[..., x.shape[-1] - op.context_len:].clone()
@@ -52,9 +52,11 @@ def _cat_samples(left: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# On CUDA the convs run over channels-last activations (`CausalConv1d`); QWEN3_TTS_CHANNELS_LAST=0: channels
-# first there too, as on the CPU (an A/B for the benchmarks).
-CHANNELS_LAST = os.environ.get("QWEN3_TTS_CHANNELS_LAST", "1") != "0"
+# QWEN3_TTS_CHANNELS_LAST=1: on CUDA the convs run over channels-last activations (`CausalConv1d`). Opt-in:
+# at 256 streams a window took 20x longer (cuDNN ran the residual units' convs in a generic grouped kernel,
+# ~41 ms a call, on an H100; bench/README.md, 2026-12-06 third session), though each conv alone timed
+# 37-52% faster so (`bench.conv_layout`).
+CHANNELS_LAST = os.environ.get("QWEN3_TTS_CHANNELS_LAST", "0") == "1"
 
 
 def _channels_last(x: torch.Tensor) -> bool:
@@ -78,8 +80,8 @@ MIN_CUDNN_OUT_CHANNELS = 16   # below this, cuDNN runs a conv with its slow gene
 class CausalConv1d(nn.Module):
     """Stride-1 conv whose left pad, (k-1)*dilation samples, is the previous input (zeros at the start).
 
-    On CUDA the conv runs as a 2-D one over channels-last activations ([B, C, 1, T], channels adjacent
-    in memory): cuDNN's kernels take that layout, and with channels-first tensors it converted the
+    With `CHANNELS_LAST` (opt-in) the conv runs on CUDA as a 2-D one over channels-last activations
+    ([B, C, 1, T], channels adjacent in memory): cuDNN's kernels take that layout, and with channels-first tensors it converted the
     input and the output around every conv (an H100, 8-frame windows of 32 streams: each conv 37-52%
     faster without, `bench.conv_layout`). Not a depthwise conv (the ConvNeXt blocks', at the low
     rates): cuDNN ran that channels-last in a generic grouped kernel, ~41 ms a call at 32 streams. A conv with fewer than 16 output channels (the vocoder's
