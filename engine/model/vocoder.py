@@ -53,9 +53,10 @@ def _cat_samples(left: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 # QWEN3_TTS_CHANNELS_LAST=1: on CUDA the convs run over channels-last activations (`CausalConv1d`). Opt-in:
-# at 256 streams a window took 20x longer (cuDNN ran the residual units' convs in a generic grouped kernel,
-# ~41 ms a call, on an H100; bench/README.md, 2026-12-06 third session), though each conv alone timed
-# 37-52% faster so (`bench.conv_layout`).
+# each conv alone timed 24-52% faster so (`bench.conv_layout`), but 256 streams ran 20x slower through the
+# scheduler, where the windows other than the largest were captured with cuDNN's heuristic picks, one a
+# generic kernel of ~43 ms (an H100; bench/README.md, 2026-12-06 third session). Now every window size is
+# captured under cuDNN's timing with it on (`graphs.VocoderGraphs`): not yet measured.
 CHANNELS_LAST = os.environ.get("QWEN3_TTS_CHANNELS_LAST", "0") == "1"
 
 
@@ -81,13 +82,13 @@ class CausalConv1d(nn.Module):
     """Stride-1 conv whose left pad, (k-1)*dilation samples, is the previous input (zeros at the start).
 
     With `CHANNELS_LAST` (opt-in) the conv runs on CUDA as a 2-D one over channels-last activations
-    ([B, C, 1, T], channels adjacent in memory): cuDNN's kernels take that layout, and with channels-first tensors it converted the
-    input and the output around every conv (an H100, 8-frame windows of 32 streams: each conv 37-52%
-    faster without, `bench.conv_layout`). Not a depthwise conv (the ConvNeXt blocks', at the low
-    rates): cuDNN ran that channels-last in a generic grouped kernel, ~41 ms a call at 32 streams. A conv with fewer than 16 output channels (the vocoder's
-    last, to 1 channel) runs with its weight zero-padded to 16 and the extra channels dropped: cuDNN
-    has only its generic kernel for so few (implicit_convolve_sgemm, 22% of an 8-frame window for 256
-    streams on an H200).
+    ([B, C, 1, T], channels adjacent in memory): cuDNN's kernels take that layout, and around a conv of
+    channels-first tensors it converts the input and the output (an H100, 8-frame windows of 32
+    streams: each conv 24-52% faster without, `bench.conv_layout`). Depthwise convs (the ConvNeXt
+    blocks', at the low rates) stay channels-first: not measured the other way. A conv with fewer than
+    16 output channels (the vocoder's last, to 1 channel) runs with its weight zero-padded to 16 and
+    the extra channels dropped: cuDNN has only its generic kernel for so few (implicit_convolve_sgemm,
+    22% of an 8-frame window for 256 streams on an H200).
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1, groups: int = 1):
@@ -108,8 +109,8 @@ class CausalConv1d(nn.Module):
             b = None if b is None else F.pad(b, (0, pad))
         if _channels_last(x) and conv.groups == 1:
             y = F.conv2d(_as_2d(x), _as_2d(weight), b, dilation=(1, conv.dilation[0])).squeeze(2)
-        else:     # channels first (depthwise in cuDNN's channels-last layout: a kernel 100x slower)
-            y = F.conv1d(x.contiguous() if x.is_cuda else x, weight, b, dilation=conv.dilation, groups=conv.groups)
+        else:
+            y = F.conv1d(x.contiguous(), weight, b, dilation=conv.dilation, groups=conv.groups)
         return y[:, :conv.out_channels]
 
 
