@@ -83,22 +83,24 @@ def vocoder_runs_vs_eager(model) -> dict:
     return dict(check="vocoder_runs_vs_eager", by_replay_batch=out, ok=all(e["rel_rms"] < 0.03 for e in out.values()))
 
 
+def _streamed_windows(model, seed: int) -> torch.Tensor:
+    """31 random frames of 3 streams decoded through `VocoderStreams` in windows of several sizes."""
+    dev, b = model.device, 3
+    codes = torch.randint(0, 2048, (b, 31, 16), device=dev, generator=torch.Generator(device=dev).manual_seed(seed))
+    idx = torch.arange(b, device=dev)
+    streams, pieces, t = VocoderStreams(model.vocoder, 4), [], 0
+    for w in (3, 8, 5, 7, 1, 2, 5):
+        pieces.append(streams.decode(idx, codes[:, t:t + w]))
+        t += w
+    return torch.cat(pieces, dim=1)
+
+
 def vocoder_kernels_vs_torch_ops(model) -> dict:
     from engine.model import kernels, vocoder
-    dev, b = model.device, 3
-    codes = torch.randint(0, 2048, (b, 31, 16), device=dev, generator=torch.Generator(device=dev).manual_seed(4))
-    idx = torch.arange(b, device=dev)
-
-    def windows():
-        streams, pieces, t = VocoderStreams(model.vocoder, 4), [], 0
-        for w in (3, 8, 5, 7, 1, 2, 5):
-            pieces.append(streams.decode(idx, codes[:, t:t + w]))
-            t += w
-        return torch.cat(pieces, dim=1)
-    fused = windows()
+    fused = _streamed_windows(model, 4)
     with mock.patch.multiple(vocoder, snake_beta=kernels.snake_beta_reference,
                              residual_tail=kernels.residual_tail_reference):
-        plain = windows()
+        plain = _streamed_windows(model, 4)
     e = err(fused, plain)
     # the kernels round once where the ops round after each of theirs: bf16 rounding apart, not more
     return dict(check="vocoder_kernels_vs_torch_ops", **e, ok=e["rel_rms"] < 0.03)
@@ -108,19 +110,9 @@ def vocoder_channels_last_vs_first(model) -> dict:
     """The streamed windows with the convs over channels-first activations (the default) and over
     channels-last ones (`vocoder.CHANNELS_LAST`, opt-in): the same audio up to bf16 rounding."""
     from engine.model import vocoder
-    dev, b = model.device, 3
-    codes = torch.randint(0, 2048, (b, 31, 16), device=dev, generator=torch.Generator(device=dev).manual_seed(5))
-    idx = torch.arange(b, device=dev)
-
-    def windows():
-        streams, pieces, t = VocoderStreams(model.vocoder, 4), [], 0
-        for w in (3, 8, 5, 7, 1, 2, 5):
-            pieces.append(streams.decode(idx, codes[:, t:t + w]))
-            t += w
-        return torch.cat(pieces, dim=1)
-    first = windows()
+    first = _streamed_windows(model, 5)
     with mock.patch.object(vocoder, "CHANNELS_LAST", True):
-        last = windows()
+        last = _streamed_windows(model, 5)
     e = err(last, first)
     # cuDNN's kernels for either layout round differently: bf16 rounding apart, not more
     return dict(check="vocoder_channels_last_vs_first", **e, ok=e["rel_rms"] < 0.03)
