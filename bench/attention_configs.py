@@ -11,11 +11,10 @@ rate at which it reads the rows' keys and values (the kernel's memory floor).
 from __future__ import annotations
 
 import argparse
-import json
-
 import torch
 
 from bench.breakdown import timed
+from bench.results import emit
 from engine.graphs import capture_graph
 from engine.kv_cache import KVCache
 from engine.model import kernels
@@ -56,6 +55,7 @@ def main() -> None:
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--talker-keys", default="64,160,320")
     ap.add_argument("--extra", default="", help="more configs, BLOCK_K:num_warps:num_stages,...")
+    ap.add_argument("--out", default=None, help="append the rows to this JSON-lines file")
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     configs = list(kernels.ATTENTION_CONFIGS) + [
@@ -64,10 +64,12 @@ def main() -> None:
     for rows in map(int, args.batches.split(",")):
         for keys in map(int, args.talker_keys.split(",")):
             res = time_case(rows, 1, keys, 28, 64, 2048, configs, args.reps)
-            print(json.dumps(dict(stack="talker", rows=rows, t=1, keys=keys, us_gbps=res)))
+            emit(dict(peer="qwen3-tts-server", kind="attention_configs", stack="talker", rows=rows, t=1, keys=keys,
+                      us_gbps=res), args.out)
         for t, keys in ((2, 2), (1, 9), (1, 16)):
             res = time_case(rows, t, keys, 5, 16, 16, configs, args.reps)
-            print(json.dumps(dict(stack="predictor", rows=rows, t=t, keys=keys, us_gbps=res)))
+            emit(dict(peer="qwen3-tts-server", kind="attention_configs", stack="predictor", rows=rows, t=t, keys=keys,
+                      us_gbps=res), args.out)
 
 
 if __name__ == "__main__":

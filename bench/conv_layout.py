@@ -10,13 +10,12 @@ them, and with [B, C, T] tensors whose channels are adjacent in memory (strides 
 from __future__ import annotations
 
 import argparse
-import json
-
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from bench.breakdown import timed
+from bench.results import emit
 
 
 def channels_last(x: torch.Tensor) -> torch.Tensor:
@@ -34,6 +33,7 @@ def kernels_of(fn) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--out", default=None, help="append the rows to this JSON-lines file")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--frames", type=int, default=8, help="frames a window")
     ap.add_argument("--benchmark", type=int, default=1,
@@ -52,7 +52,7 @@ def main() -> None:
         ("upsample k8 s4 384->192", 384, 192, 8, 1, n // 12, 4),
     ]
     for name, cin, cout, k, d, t, stride in cases:
-        row = dict(case=name, batch=b, frames=args.frames, benchmark=args.benchmark)
+        row = dict(peer="qwen3-tts-server", kind="conv_layout", case=name, batch=b, frames=args.frames, benchmark=args.benchmark)
         if stride:
             x = torch.randn(b, cin, t + 1, device=dev, dtype=dt)
             w = torch.randn(cin, cout, k, device=dev, dtype=dt) * 0.05
@@ -75,7 +75,7 @@ def main() -> None:
                                kernels=kernels_of(fn))
         ref = op(x, w).float()
         row["max_diff_last"] = float((op(channels_last(x), channels_last(w)).float() - ref).abs().max())
-        print(json.dumps(row))
+        emit(row, args.out)
 
 
 if __name__ == "__main__":

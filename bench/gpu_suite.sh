@@ -94,6 +94,21 @@ if has precision; then
   timeout 200 python3 -m bench.precision --model-dir "$MODEL" --out "$R" > "$OUTD/precision.log" 2>&1
   echo "precision rc=$? at $((SECONDS-t0)) s"
 fi
+# kernel probes that need no model: cuDNN's conv layouts at each window size, with its timing (1) and
+# its heuristics (0); the attention kernel's launch configs timed in CUDA graphs
+if has conv; then
+  for frames in ${CONV_FRAMES:-8 2}; do
+    for bm in 1 0; do
+      timeout 120 python3 -m bench.conv_layout --batch ${CONV_BATCH:-32} --frames $frames --benchmark $bm --out "$R" \
+        >> "$OUTD/conv.log" 2>&1
+      echo "conv layout ($frames frames, benchmark $bm) rc=$? at $((SECONDS-t0)) s"
+    done
+  done
+fi
+if has attention; then
+  timeout 300 python3 -m bench.attention_configs --out "$R" > "$OUTD/attention.log" 2>&1
+  echo "attention configs rc=$? at $((SECONDS-t0)) s"
+fi
 if has profile; then
   timeout 150 python3 -m bench.profile_step --model-dir "$MODEL" --batch ${PROFILE_BATCH:-256} > "$OUTD/profile.log" 2>&1
   echo "profile rc=$? at $((SECONDS-t0)) s"
