@@ -1,7 +1,7 @@
 """`decode_attention` per launch config at the shapes a decode step runs, and the KV bytes it reads.
 
-Times one layer's attention kernel (a CUDA graph of --launches launches, replayed: GPU time, not the
-host's launch time, which is longer than the kernel at these sizes) for the talker (28-layer cache, pages of
+Times one layer's attention kernel (launches in a CUDA graph, replayed: GPU time, not the host's
+launch time, which is longer than the kernel at these sizes) for the talker (28-layer cache, pages of
 64) at several live lengths and for the code predictor (pages of 16, positions 0..16), at each batch
 size, for every config in kernels.ATTENTION_CONFIGS and in --extra, and prints each time with the
 rate at which it reads the rows' keys and values (the kernel's memory floor).
@@ -11,11 +11,11 @@ rate at which it reads the rows' keys and values (the kernel's memory floor).
 from __future__ import annotations
 
 import argparse
+
 import torch
 
-from bench.breakdown import timed
+from bench.breakdown import timed_in_graph
 from bench.results import emit
-from engine.graphs import capture_graph
 from engine.kv_cache import KVCache
 from engine.model import kernels
 from engine.model.layers import rope_inv_freq
@@ -24,7 +24,7 @@ HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128       # Qwen3-TTS 0.6B talker and code pr
 
 
 def time_case(rows: int, t: int, keys: int, layers: int, page: int, capacity: int, configs: list[dict],
-              reps: int, launches_per_graph: int = 20) -> dict:
+              reps: int) -> dict:
     """Microseconds per config of one layer's attention: `rows` rows of t new positions after keys-t."""
     dev, dt = torch.device("cuda"), torch.bfloat16
     cache = KVCache(layers, rows, capacity, KV_HEADS, HEAD_DIM, dt, dev, page_size=page, reserve_all=True)
@@ -37,13 +37,8 @@ def time_case(rows: int, t: int, keys: int, layers: int, page: int, capacity: in
     for c in configs:
         name = "k{BLOCK_K}w{num_warps}s{num_stages}".format(**c)
         try:
-            def launches():
-                for _ in range(launches_per_graph):
-                    kernels.decode_attention(qkv, HEADS, KV_HEADS, norm_w, norm_w, 1e-6, inv_freq, cache,
-                                             layers - 1, start, c)
-            launches()                          # compile outside the capture
-            graph, _ = capture_graph(launches, None)
-            us = 1000 * timed(graph.replay, reps) / launches_per_graph
+            us = 1000 * timed_in_graph(lambda: kernels.decode_attention(
+                qkv, HEADS, KV_HEADS, norm_w, norm_w, 1e-6, inv_freq, cache, layers - 1, start, c), reps)
             out[name] = (round(us, 2), round(kv_bytes / us / 1e3, 1))     # us, GB/s of KV read
         except Exception as e:        # a config this GPU cannot run
             out[name] = f"{type(e).__name__}"

@@ -8,7 +8,8 @@ Times (CUDA events, median of `--reps`) on a runner whose B slots hold prompts o
   talker       one talker forward (B rows, 1 position)       \\
   predictor    the 15 code-predictor steps with sampling      } eager, to split step_eager
   sample       one talker logits processing + sampling        /
-  attention_us one talker layer's attention kernel per launch config (kernels.ATTENTION_CONFIGS)
+  attention_us one talker layer's attention kernel per launch config (kernels.ATTENTION_CONFIGS), in
+               CUDA graphs
   vocoder_wN   VocoderStreams.decode of N frames for B streams, per frame (eager; _graph: replayed
                from the CUDA graphs the scheduler uses)
 
@@ -25,7 +26,7 @@ from engine.loader import load_model
 from engine.requests import SamplingParams
 from engine.runner import ModelRunner
 from engine.sampling import sample_subtalker, sample_talker
-from engine.graphs import VocoderGraphs
+from engine.graphs import VocoderGraphs, capture_graph
 from engine.model import kernels
 from engine.model.vocoder import VocoderStreams
 from bench.precision import set_fused_decode
@@ -46,6 +47,16 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def timed_in_graph(fn, reps: int, launches: int = 20) -> float:
+    """Median milliseconds of one fn() on the GPU alone: `launches` calls captured in a CUDA graph and
+    replayed (a kernel of a few microseconds, launched from Python, is timed at the host's pace)."""
+    def calls():
+        for _ in range(launches):
+            fn()
+    graph, _ = capture_graph(calls, None)     # after one eager run (compiles, lazy inits)
+    return timed(graph.replay, reps) / launches
+
+
 def kernel_count(fn) -> int:
     """GPU kernels fn() launches (torch profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -58,8 +69,9 @@ def kernel_count(fn) -> int:
 
 
 def attention_configs(model, runner, batch: int, reps: int) -> dict:
-    """Microseconds of one talker layer's `decode_attention` per launch config, on the runner's cache
-    (the kernel picks its config on a scratch cache of kernels.ATTENTION_TIMING_KEYS keys a row)."""
+    """Microseconds of one talker layer's `decode_attention` per launch config on the GPU, on the
+    runner's cache (the kernel picks its config on a scratch cache of kernels.ATTENTION_TIMING_KEYS
+    keys a row)."""
     attn = model.talker.model.layers[0].self_attn
     width = (attn.heads + 2 * attn.kv_heads) * attn.head_dim
     qkv = torch.randn(batch, 1, width, device=model.device, dtype=model.dtype)
@@ -69,7 +81,7 @@ def attention_configs(model, runner, batch: int, reps: int) -> dict:
     for config in kernels.ATTENTION_CONFIGS:
         name = "k{BLOCK_K}w{num_warps}s{num_stages}".format(**config)
         try:
-            out[name] = 1000 * timed(lambda: kernels.decode_attention(
+            out[name] = 1000 * timed_in_graph(lambda: kernels.decode_attention(
                 qkv, attn.heads, attn.kv_heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
                 model.talker.model.inv_freq, cache, 0, start, config), reps)
         except Exception as e:        # a config this GPU cannot run

@@ -10,17 +10,14 @@ them, and with [B, C, T] tensors whose channels are adjacent in memory (strides 
 from __future__ import annotations
 
 import argparse
+
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from bench.breakdown import timed
 from bench.results import emit
-
-
-def channels_last(x: torch.Tensor) -> torch.Tensor:
-    """x [B, C, T] (or a weight [O, I, k]) with its channels adjacent in memory."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
+from engine.model.vocoder import channels_adjacent
 
 
 def kernels_of(fn) -> list[str]:
@@ -67,14 +64,14 @@ def main() -> None:
             op2 = lambda x, w, d=d: F.conv2d(x, w, dilation=(1, d))
         x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
         w4 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
-        for layout, f, xi, wi in (("first", op, x, w), ("last", op, channels_last(x), w),
-                                  ("last+w", op, channels_last(x), channels_last(w)), ("2d last", op2, x4, w4)):
+        for layout, f, xi, wi in (("first", op, x, w), ("last", op, channels_adjacent(x), w),
+                                  ("last+w", op, channels_adjacent(x), channels_adjacent(w)), ("2d last", op2, x4, w4)):
             fn = lambda: f(xi, wi)
             y = fn()
             row[layout] = dict(ms=round(timed(fn, args.reps), 3), out_strides=list(y.stride()),
                                kernels=kernels_of(fn))
         ref = op(x, w).float()
-        row["max_diff_last"] = float((op(channels_last(x), channels_last(w)).float() - ref).abs().max())
+        row["max_diff_last"] = float((op(channels_adjacent(x), channels_adjacent(w)).float() - ref).abs().max())
         emit(row, args.out)
 
 

@@ -77,21 +77,22 @@ def main() -> None:
         # channels: the CUDA layout) specialized, as Triton specializes it at launch
         i32 = "i32"
         for adjacent in ("t", "c"):
-            unit = {f"stride_{x}{adjacent}": 1 for x in "xyo"}
+            unit = {f"stride_{x}{adjacent}": 1 for x in "xy"}                 # x's and y's (SnakeBeta)
+            unit_out = dict(unit, **{f"stride_o{adjacent}": 1})               # and out's (residual tail)
             for bias in (False, True):
                 for left in (False, True):
                     build(k._snake_beta_kernel, dict(x_ptr=p, y_ptr=p, a_ptr=p, b_ptr=p, bias_ptr=p, left_ptr=p,
                                                      C=i32, T=i32, L=i32, stride_xb=i32, stride_xc=i32, stride_xt=i32,
                                                      stride_yb=i32, stride_yc=i32, stride_yt=i32, stride_left=i32),
-                          dict(HAS_BIAS=bias, HAS_LEFT=left, **dict(zip(("BLOCK_C", "BLOCK_T"), k.SNAKE_TILES[adjacent == "c"])),
-                               **{n: 1 for n in unit if n[7] != "o"}))
+                          dict(HAS_BIAS=bias, HAS_LEFT=left, **unit,
+                               **dict(zip(("BLOCK_C", "BLOCK_T"), k.SNAKE_TILES[adjacent == "c"]))))
             # every config `residual_tail` may time and pick (bf16); the first in fp32
             for c in k.RESIDUAL_TAIL_CONFIGS[:None if dtype == "bf16" else 1]:
                 build(k._residual_tail_kernel,
                       dict(x_ptr=p, y_ptr=p, out_ptr=p, a_ptr=p, b_ptr=p, y_bias_ptr=p, w_ptr=p, bias_ptr=p, C=i32,
                            T=i32, stride_xb=i32, stride_xc=i32, stride_xt=i32, stride_yb=i32, stride_yc=i32,
                            stride_yt=i32, stride_ob=i32, stride_oc=i32, stride_ot=i32),
-                      dict(BLOCK_CO=c["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=c["BLOCK_T"], IEEE=dtype == "fp32", **unit),
+                      dict(BLOCK_CO=c["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=c["BLOCK_T"], IEEE=dtype == "fp32", **unit_out),
                       num_warps=c["num_warps"], num_stages=3)
         # the persistent decode stack: every config it may time and pick, for the talker (pages of 64) and
         # the code predictor (pages of 16, 2 positions in its first step), in bf16; the first in fp32

@@ -6,17 +6,13 @@ them in every residual unit, and `bench/precision.py` reports its waveform error
 import pytest
 import torch
 
+from engine.model.vocoder import channels_adjacent
 from tests.triton_cpu import require_triton
 
 
 @pytest.fixture(scope="module")
 def kernels():
     return require_triton()
-
-
-def channels_adjacent(x):
-    """x [B, C, T] in the vocoder's CUDA layout: channels adjacent in memory."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

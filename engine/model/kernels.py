@@ -192,11 +192,16 @@ def snake_beta(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
     return snake_beta_triton(x, log_alpha, log_beta, bias, left)
 
 
+def _channels_adjacent(x: torch.Tensor) -> bool:
+    """Whether x [B, C, T] has its channels adjacent in memory (the vocoder's channels-last layout)."""
+    return x.shape[1] > 1 and x.stride(1) == 1
+
+
 def new_samples(like: torch.Tensor, samples: int) -> torch.Tensor:
     """An empty [B, C, samples] tensor in like's [B, C, T] layout: its channels adjacent in memory
     (strides (samples * C, 1, C), the vocoder's activations on CUDA) if like's are, else contiguous."""
     b, c, _ = like.shape
-    if c > 1 and like.stride(1) == 1:
+    if _channels_adjacent(like):
         return like.new_empty(b, samples, c).transpose(1, 2)
     return like.new_empty(b, c, samples)
 
@@ -212,7 +217,7 @@ def snake_beta_triton(x, log_alpha, log_beta, bias=None, left=None) -> torch.Ten
     if left is not None and left[0].stride() != (n_left, 1):     # rows of a stream's state are [C, L] blocks
         left = left.contiguous()
     y = new_samples(x, n_left + t)
-    block_c, block_t = SNAKE_TILES[y.stride(1) == 1 and c > 1]
+    block_c, block_t = SNAKE_TILES[_channels_adjacent(y)]
     grid = (triton.cdiv(n_left + t, block_t), triton.cdiv(c, block_c), b)
     _snake_beta_kernel[grid](
         x, y, log_alpha, log_beta, x if bias is None else bias, x if left is None else left, c, t, n_left,
@@ -257,7 +262,7 @@ def residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, config
                 dict(BLOCK_CO=cfg["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=cfg["BLOCK_T"], IEEE=x.dtype == torch.float32,
                      num_warps=cfg["num_warps"], num_stages=3), compile_only)
     if config is None:
-        key = ("residual_tail", c, triton.next_power_of_2(b * t), x.dtype, y.stride(1) == 1)
+        key = ("residual_tail", c, triton.next_power_of_2(b * t), x.dtype, _channels_adjacent(y))
         config = _fastest(key, residual_tail_configs(c), launch)
     launch(config)
     return out
