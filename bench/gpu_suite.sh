@@ -105,6 +105,11 @@ if has conv; then
     done
   done
 fi
+# the vocoder's SnakeBeta and residual-tail kernels in each launch config, either layout
+if has tiles; then
+  timeout 120 python3 -m bench.vocoder_tiles --batch ${CONV_BATCH:-32} --out "$R" > "$OUTD/tiles.log" 2>&1
+  echo "vocoder tiles rc=$? at $((SECONDS-t0)) s"
+fi
 if has attention; then
   timeout 300 python3 -m bench.attention_configs --out "$R" > "$OUTD/attention.log" 2>&1
   echo "attention configs rc=$? at $((SECONDS-t0)) s"

@@ -52,18 +52,23 @@ def main() -> None:
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
     print(f"eager step wall {ms:.1f} ms; python profile:\n{s.getvalue()[:6000]}")
 
-    # One 8-frame vocoder window for every stream: its top kernels.
+    # One 8-frame vocoder window of as many streams as a replay decodes (the default vocoder batch), the
+    # convs' algorithms timed by cuDNN as at capture: the ops and what their kernels take.
+    from engine.graphs import cudnn_autotuned
     from engine.model.vocoder import VocoderStreams
-    streams = VocoderStreams(model.vocoder, b)
-    idx = torch.arange(b, device="cuda")
-    codes = torch.randint(0, 2048, (b, 8, 16), device="cuda")
-    streams.decode(idx, codes)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    from engine.scheduler import VOCODER_BATCH
+    vb = min(b, VOCODER_BATCH)
+    streams = VocoderStreams(model.vocoder, vb)
+    idx = torch.arange(vb, device="cuda")
+    codes = torch.randint(0, 2048, (vb, 8, 16), device="cuda")
+    with cudnn_autotuned():
         streams.decode(idx, codes)
         torch.cuda.synchronize()
-    print(f"eager vocoder window B={b} W=8:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            streams.decode(idx, codes)
+            torch.cuda.synchronize()
+    print(f"eager vocoder window B={vb} W=8, ops by their kernels' time:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
 
     # The scheduler's host work per frame: drive its loop in this thread under cProfile.
     from engine.requests import SpeechRequest
@@ -102,7 +107,7 @@ def main() -> None:
     events = prof.key_averages()
     total = sum(e.self_device_time_total for e in events) / 1000
     print(f"served iterations B={b}: {total / frames:.2f} ms of GPU kernels a frame; top kernels over {frames} frames:")
-    print(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
+    print(events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=160))
     del handles
 
 

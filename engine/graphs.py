@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from .host import to_device
-from .model import vocoder as vocoder_module
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -192,10 +191,10 @@ class VocoderGraphs:
     reference) is decoded as a run of captured sizes, largest first (1 is always captured): the
     stateful decoder makes that the same audio, and no eager window of a new shape ever stalls the
     step (the first eager call of a shape took 0.16-0.8 s on an H200, as cuDNN prepared its kernels).
-    The captured windows of the largest size (what carries the audio at steady state) use the
-    convolution algorithms cuDNN found fastest by timing them at capture (`cudnn_autotuned`): up to
-    21% off the vocoder at 256 streams on an H200 (bench/README.md); timing every size took the
-    server's warm-up to 95 s.
+    Every captured window uses the convolution algorithms cuDNN found fastest by timing them at
+    capture (`cudnn_autotuned`): up to 21% off the vocoder at 256 streams on an H200 (bench/README.md);
+    under its heuristics a 2-frame window's dilated conv of 32 streams took a generic kernel of 1.1 ms
+    channels-first and 43.6 ms channels-last, 0.1 ms timed (an H100, `bench.conv_layout --benchmark 0`).
     A replay decodes at most `max_batch` streams; more are decoded as replays of that many. A graph's
     intermediates stay reserved in the pool for as long as it lives, and the vocoder's grow with the
     batch (an H200, bf16, 8-frame windows: 12.5 GiB for 256 streams, 2.6 GiB for 64, which took 10%
@@ -245,9 +244,6 @@ class VocoderGraphs:
     def _capture(self, bucket: int, w: int):
         self.slots[:bucket].fill_(self.streams.pad_slot)    # capture touches only the spare slot's state
         slots, codes = self.slots[:bucket], self.codes[:bucket, :w]
-        # the largest windows: the eager run times cuDNN's algorithms, the capture takes the fastest
-        # channels-last convs (opt-in) need every window size timed: cuDNN's heuristics picked a generic
-        # grouped kernel of ~43 ms for a 2-frame window's dilated conv (`bench.conv_layout --benchmark 0`)
-        tuned = cudnn_autotuned if w == self.windows[-1] or vocoder_module.CHANNELS_LAST else contextlib.nullcontext
-        self.graphs[(bucket, w)] = capture_graph(lambda: self.streams.decode(slots, codes), self.pool, tuned)
+        # the eager run before the capture times cuDNN's algorithms, the capture takes the fastest
+        self.graphs[(bucket, w)] = capture_graph(lambda: self.streams.decode(slots, codes), self.pool, cudnn_autotuned)
         return self.graphs[(bucket, w)]

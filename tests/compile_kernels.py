@@ -80,12 +80,14 @@ def main() -> None:
             unit = {f"stride_{x}{adjacent}": 1 for x in "xy"}                 # x's and y's (SnakeBeta)
             unit_out = dict(unit, **{f"stride_o{adjacent}": 1})               # and out's (residual tail)
             for bias in (False, True):
-                for left in (False, True):
-                    build(k._snake_beta_kernel, dict(x_ptr=p, y_ptr=p, a_ptr=p, b_ptr=p, bias_ptr=p, left_ptr=p,
-                                                     C=i32, T=i32, L=i32, stride_xb=i32, stride_xc=i32, stride_xt=i32,
-                                                     stride_yb=i32, stride_yc=i32, stride_yt=i32, stride_left=i32),
-                          dict(HAS_BIAS=bias, HAS_LEFT=left, **unit,
-                               **dict(zip(("BLOCK_C", "BLOCK_T"), k.SNAKE_TILES[adjacent == "c"]))))
+                for left in (False, True):     # every config `snake_beta` may time and pick (bf16); the first in fp32
+                    for c in k.SNAKE_CONFIGS[adjacent == "c"][:None if dtype == "bf16" else 1]:
+                        build(k._snake_beta_kernel, dict(x_ptr=p, y_ptr=p, a_ptr=p, b_ptr=p, bias_ptr=p, left_ptr=p,
+                                                         C=i32, T=i32, L=i32, stride_xb=i32, stride_xc=i32,
+                                                         stride_xt=i32, stride_yb=i32, stride_yc=i32, stride_yt=i32,
+                                                         stride_left=i32),
+                              dict(HAS_BIAS=bias, HAS_LEFT=left, BLOCK_C=c["BLOCK_C"], BLOCK_T=c["BLOCK_T"], **unit),
+                              num_warps=c["num_warps"])
             # every config `residual_tail` may time and pick (bf16); the first in fp32
             for c in k.RESIDUAL_TAIL_CONFIGS[:None if dtype == "bf16" else 1]:
                 build(k._residual_tail_kernel,

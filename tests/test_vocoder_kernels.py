@@ -6,6 +6,7 @@ them in every residual unit, and `bench/precision.py` reports its waveform error
 import pytest
 import torch
 
+from engine.model.kernels import SNAKE_CONFIGS
 from engine.model.vocoder import channels_adjacent
 from tests.triton_cpu import require_triton
 
@@ -15,10 +16,15 @@ def kernels():
     return require_triton()
 
 
+SNAKE_CASES = [(layout, config) for layout, adjacent in (("channels_first", False), ("channels_last", True))
+               for config in range(len(SNAKE_CONFIGS[adjacent]))]
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("n_left", [0, 54])
-@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
-def test_snake_beta_matches_the_reference(kernels, with_bias, n_left, layout):
+@pytest.mark.parametrize("layout, config", SNAKE_CASES)
+def test_snake_beta_matches_the_reference(kernels, with_bias, n_left, layout, config):
+    """SnakeBeta (a bias first, a context copied ahead) in every tile config of x's layout."""
     g = torch.Generator().manual_seed(0)
     # T spans several blocks, C two; x a slice along time of a longer tensor (a transposed conv's kept samples)
     x = (torch.randn(2, 40, 306, generator=g) * 2)
@@ -27,7 +33,8 @@ def test_snake_beta_matches_the_reference(kernels, with_bias, n_left, layout):
     b = bias if with_bias else None
     # a conv's context, copied ahead: a view into rows of a stream state, as `VocoderStreams.decode` passes it
     left = torch.randn(2, 5 + 40 * n_left, generator=g)[:, 5:].view(2, 40, n_left) if n_left else None
-    out = kernels.snake_beta_triton(x, log_alpha, log_beta, b, left)
+    cfg = kernels.SNAKE_CONFIGS[layout == "channels_last"][config]
+    out = kernels.snake_beta_triton(x, log_alpha, log_beta, b, left, cfg)
     assert out.shape == (2, 40, n_left + 300)
     assert (out.stride(1) == 1) == (layout == "channels_last")        # the output keeps x's layout
     torch.testing.assert_close(out, kernels.snake_beta_reference(x, log_alpha, log_beta, b, left), atol=1e-5, rtol=1e-5)

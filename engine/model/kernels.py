@@ -206,23 +206,37 @@ def new_samples(like: torch.Tensor, samples: int) -> torch.Tensor:
     return like.new_empty(b, c, samples)
 
 
-# Tiles of the SnakeBeta kernel, channels by samples: 32 x 128 where channels are adjacent in memory
-# (`vocoder.CHANNELS_LAST`), one row of 1024 samples where samples are.
-SNAKE_TILES = {True: (32, 128), False: (1, 1024)}
+# Launch configs `snake_beta` times per shape (the first is taken untimed): tiles of BLOCK_C channels by
+# BLOCK_T samples, for tensors whose channels are adjacent in memory (`vocoder.CHANNELS_LAST`) and for
+# those whose samples are. Each was the fastest at some of the vocoder's widths (an H100, 8-frame windows
+# of 32 streams, bench/README.md): channels-last, 16 x 256 from 96 to 384 channels, 16 x 128 (2 warps)
+# at 768 and 1536, 256 x 16 or 128 x 32 at 1536; channels-first, 2 x 512 at every width.
+SNAKE_CONFIGS = {True: [dict(BLOCK_C=c, BLOCK_T=t, num_warps=w) for c, t, w in
+                        ((16, 256, 4), (16, 128, 2), (128, 32, 4), (256, 16, 4), (32, 128, 4))],
+                 False: [dict(BLOCK_C=c, BLOCK_T=t, num_warps=w) for c, t, w in ((2, 512, 4), (1, 1024, 4))]}
 
 
-def snake_beta_triton(x, log_alpha, log_beta, bias=None, left=None) -> torch.Tensor:
+def snake_beta_triton(x, log_alpha, log_beta, bias=None, left=None, config: dict | None = None) -> torch.Tensor:
+    """`snake_beta` with one of `SNAKE_CONFIGS` for y's layout (default: the fastest for these shapes,
+    timed once on the GPU)."""
     b, c, t = x.shape
     n_left = 0 if left is None else left.shape[-1]
     if left is not None and left[0].stride() != (n_left, 1):     # rows of a stream's state are [C, L] blocks
         left = left.contiguous()
     y = new_samples(x, n_left + t)
-    block_c, block_t = SNAKE_TILES[_channels_adjacent(y)]
-    grid = (triton.cdiv(n_left + t, block_t), triton.cdiv(c, block_c), b)
-    _snake_beta_kernel[grid](
-        x, y, log_alpha, log_beta, x if bias is None else bias, x if left is None else left, c, t, n_left,
-        *x.stride(), *y.stride(), 0 if left is None else left.stride(0),
-        HAS_BIAS=bias is not None, HAS_LEFT=left is not None, BLOCK_C=block_c, BLOCK_T=block_t)
+    adjacent = _channels_adjacent(y)
+
+    def launch(cfg, compile_only=False):
+        grid = (triton.cdiv(n_left + t, cfg["BLOCK_T"]), triton.cdiv(c, cfg["BLOCK_C"]), b)
+        _launch(_snake_beta_kernel, grid,
+                (x, y, log_alpha, log_beta, x if bias is None else bias, x if left is None else left, c, t, n_left,
+                 *x.stride(), *y.stride(), 0 if left is None else left.stride(0)),
+                dict(HAS_BIAS=bias is not None, HAS_LEFT=left is not None, **cfg), compile_only)
+    if config is None:
+        key = ("snake_beta", c, triton.next_power_of_2(b * (n_left + t)), x.dtype, adjacent, bias is not None,
+               left is not None)
+        config = _fastest(key, SNAKE_CONFIGS[adjacent], launch)
+    launch(config)
     return y
 
 

@@ -52,12 +52,11 @@ def _cat_samples(left: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# QWEN3_TTS_CHANNELS_LAST=1: on CUDA the convs run over channels-last activations (`CausalConv1d`). Opt-in:
-# each conv alone timed 24-52% faster so (`bench.conv_layout`), but 256 streams ran 20x slower through the
-# scheduler, where the windows other than the largest were captured with cuDNN's heuristic picks, one a
-# generic kernel of ~43 ms (an H100; bench/README.md, 2026-12-06 third session). Now every window size is
-# captured under cuDNN's timing with it on (`graphs.VocoderGraphs`): not yet measured.
-CHANNELS_LAST = os.environ.get("QWEN3_TTS_CHANNELS_LAST", "0") == "1"
+# On CUDA the convs run over channels-last activations (`CausalConv1d`): each conv alone 24-52% faster
+# (`bench.conv_layout`), 256 streams 7% faster through the scheduler with every window size captured
+# under cuDNN's timing (an H100; bench/README.md, 2026-12-06 fourth session). QWEN3_TTS_CHANNELS_LAST=0
+# goes back to channels-first convs.
+CHANNELS_LAST = os.environ.get("QWEN3_TTS_CHANNELS_LAST", "1") != "0"
 
 
 def _channels_last(x: torch.Tensor) -> bool:
@@ -81,7 +80,7 @@ MIN_CUDNN_OUT_CHANNELS = 16   # below this, cuDNN runs a conv with its slow gene
 class CausalConv1d(nn.Module):
     """Stride-1 conv whose left pad, (k-1)*dilation samples, is the previous input (zeros at the start).
 
-    With `CHANNELS_LAST` (opt-in) the conv runs on CUDA as a 2-D one over channels-last activations
+    With `CHANNELS_LAST` (the default) the conv runs on CUDA as a 2-D one over channels-last activations
     ([B, C, 1, T], channels adjacent in memory): cuDNN's kernels take that layout, and around a conv of
     channels-first tensors it converts the input and the output (an H100, 8-frame windows of 32
     streams: each conv 24-52% faster without, `bench.conv_layout`). Depthwise convs (the ConvNeXt

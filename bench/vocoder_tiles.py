@@ -1,0 +1,62 @@
+"""The vocoder's per-sample Triton kernels, SnakeBeta and the residual tail, in each launch config they may
+time (`kernels.SNAKE_CONFIGS`, `kernels.RESIDUAL_TAIL_CONFIGS`, plus --extra-snake tiles), on tensors of
+either layout, at the decoder's widths for an 8-frame window of --batch streams: microseconds a call,
+timed in CUDA graphs (GPU time), with the rate of the kernel's reads and writes.
+
+    python -m bench.vocoder_tiles --batch 32 [--extra-snake 8:512:4,16:512:8]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench.breakdown import timed_in_graph
+from bench.results import emit
+from engine.model import kernels
+from engine.model.vocoder import channels_adjacent
+
+# (channels, new samples, context samples) of the 12 Hz decoder's stages for an 8-frame window
+SHAPES = ((1536, 64, 6), (768, 320, 54), (384, 1280, 54), (192, 5120, 54), (96, 15360, 54))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--extra-snake", default="", help="more SnakeBeta tiles, BLOCK_C:BLOCK_T:num_warps,...")
+    ap.add_argument("--out", default=None, help="append the rows to this JSON-lines file")
+    args = ap.parse_args()
+    extra = [dict(zip(("BLOCK_C", "BLOCK_T", "num_warps"), map(int, e.split(":"))))
+             for e in args.extra_snake.split(",") if e]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b = args.batch
+    for c, t, n_left in SHAPES:
+        def randn(*shape, scale=1.0):
+            return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16) * scale
+        first = {"x": randn(b, c, t), "y": randn(b, c, t)}
+        last = {k: channels_adjacent(v) for k, v in first.items()}
+        alpha, beta, bias = randn(c, scale=0.1), randn(c, scale=0.1), randn(c, scale=0.1)
+        left = randn(b, c, n_left)
+        weight = randn(c, c, 1, scale=c ** -0.5)
+        for layout, xs in (("channels_first", first), ("channels_last", last)):
+            adjacent = layout == "channels_last"
+            snake_mb = b * c * 2 * (t + n_left) * 2 / 1e6        # x and left read, y written
+            for cfg in kernels.SNAKE_CONFIGS[adjacent] + (extra if adjacent else []):
+                us = 1000 * timed_in_graph(lambda: kernels.snake_beta_triton(xs["x"], alpha, beta, None, left, cfg),
+                                           args.reps)
+                emit(dict(peer="qwen3-tts-server", kind="vocoder_tile", kernel="snake_beta", layout=layout,
+                          channels=c, samples=t, batch=b, config=cfg, us=round(us, 1),
+                          tb_s=round(snake_mb / us, 2)), args.out)
+            tail_mb = 3 * b * c * t * 2 / 1e6
+            for cfg in kernels.residual_tail_configs(c):
+                us = 1000 * timed_in_graph(
+                    lambda: kernels.residual_tail_triton(xs["x"], xs["y"], alpha, beta, bias, weight, bias, cfg),
+                    args.reps)
+                emit(dict(peer="qwen3-tts-server", kind="vocoder_tile", kernel="residual_tail", layout=layout,
+                          channels=c, samples=t, batch=b, config=cfg, us=round(us, 1),
+                          tb_s=round(tail_mb / us, 2)), args.out)
+
+
+if __name__ == "__main__":
+    main()
