@@ -68,7 +68,7 @@ def window_peak(model_dir: str | Path, batch: int, window: int) -> LiveBytes:
         return x.new_empty(*x.shape[:2], x.shape[2] + (0 if left is None else left.shape[-1]))
 
     with mock.patch.multiple(vocoder_module, snake_beta=snake_beta,
-                             residual_tail=lambda x, y, *rest: torch.empty_like(y)), \
+                             residual_tail=lambda x, y, *rest, **options: torch.empty_like(y)), \
             torch.device("meta"), torch.no_grad():
         vocoder = vocoder_module.Vocoder(load_config(model_dir).decoder).to(torch.bfloat16)
         streams = vocoder_module.VocoderStreams(vocoder, batch)

@@ -89,13 +89,16 @@ def main() -> None:
                               dict(HAS_BIAS=bias, HAS_LEFT=left, BLOCK_C=c["BLOCK_C"], BLOCK_T=c["BLOCK_T"], **unit),
                               num_warps=c["num_warps"])
             # every config `residual_tail` may time and pick (bf16); the first in fp32
+            # (with x's own bias: a decoder block's first unit)
             for c in k.RESIDUAL_TAIL_CONFIGS[:None if dtype == "bf16" else 1]:
-                build(k._residual_tail_kernel,
-                      dict(x_ptr=p, y_ptr=p, out_ptr=p, a_ptr=p, b_ptr=p, y_bias_ptr=p, w_ptr=p, bias_ptr=p, C=i32,
-                           T=i32, stride_xb=i32, stride_xc=i32, stride_xt=i32, stride_yb=i32, stride_yc=i32,
-                           stride_yt=i32, stride_ob=i32, stride_oc=i32, stride_ot=i32),
-                      dict(BLOCK_CO=c["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=c["BLOCK_T"], IEEE=dtype == "fp32", **unit_out),
-                      num_warps=c["num_warps"], num_stages=3)
+                for x_bias in (False, True):
+                    build(k._residual_tail_kernel,
+                          dict(x_ptr=p, y_ptr=p, out_ptr=p, a_ptr=p, b_ptr=p, y_bias_ptr=p, w_ptr=p, bias_ptr=p,
+                               x_bias_ptr=p, C=i32, T=i32, stride_xb=i32, stride_xc=i32, stride_xt=i32, stride_yb=i32,
+                               stride_yc=i32, stride_yt=i32, stride_ob=i32, stride_oc=i32, stride_ot=i32),
+                          dict(BLOCK_CO=c["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=c["BLOCK_T"], IEEE=dtype == "fp32",
+                               HAS_X_BIAS=x_bias, **unit_out),
+                          num_warps=c["num_warps"], num_stages=3)
         # the persistent decode stack: every config it may time and pick, for the talker (pages of 64) and
         # the code predictor (pages of 16, 2 positions in its first step), in bf16; the first in fp32
         for c in k.stack_decode_configs(1)[:None if dtype == "bf16" else 1]:

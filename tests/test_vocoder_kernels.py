@@ -46,20 +46,22 @@ def test_snake_beta_matches_the_reference(kernels, with_bias, n_left, layout, co
                                                        (8, 7, "channels_first"), (160, 130, "channels_first"),
                                                        (96, 150, "channels_last"), (40, 64, "channels_last")])
 @pytest.mark.parametrize("config", range(4))
-def test_residual_tail_matches_the_reference(kernels, channels, samples, layout, config):
-    """SnakeBeta (with the dilated conv's bias), the 1x1 conv and its bias, the residual add: one
-    kernel, in tiles of each config's channels by samples (partial ones at every edge here), in
-    32-channel steps; on tensors of either layout (the output in y's)."""
+@pytest.mark.parametrize("with_x_bias", [False, True])
+def test_residual_tail_matches_the_reference(kernels, channels, samples, layout, config, with_x_bias):
+    """SnakeBeta (with the dilated conv's bias), the 1x1 conv and its bias, the residual add (x with
+    a bias of its own or not): one kernel, in tiles of each config's channels by samples (partial ones
+    at every edge here), in 32-channel steps; on tensors of either layout (the output in y's)."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, channels, samples + 6, generator=g)
     y = torch.randn(2, channels, samples, generator=g)
     if layout == "channels_last":
         x, y = channels_adjacent(x), channels_adjacent(y)
     x = x[..., 3:-3]                                           # a slice along time, read in place
-    log_alpha, log_beta, y_bias, bias = (torch.randn(channels, generator=g) * 0.5 for _ in range(4))
+    log_alpha, log_beta, y_bias, bias, x_bias = (torch.randn(channels, generator=g) * 0.5 for _ in range(5))
+    x_bias = x_bias if with_x_bias else None
     weight = torch.randn(channels, channels, 1, generator=g) / channels ** 0.5
     cfg = kernels.RESIDUAL_TAIL_CONFIGS[config]
-    out = kernels.residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, cfg)
+    out = kernels.residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, cfg, x_bias=x_bias)
     assert (out.stride(1) == 1) == (layout == "channels_last")
-    torch.testing.assert_close(out, kernels.residual_tail_reference(x, y, log_alpha, log_beta, y_bias, weight, bias),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, kernels.residual_tail_reference(x, y, log_alpha, log_beta, y_bias, weight, bias,
+                                                                    x_bias), atol=1e-5, rtol=1e-5)

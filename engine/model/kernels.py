@@ -109,10 +109,14 @@ def snake_beta_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: tor
 
 
 def residual_tail_reference(x: torch.Tensor, y: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
-                            y_bias: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+                            y_bias: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                            x_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The end of a vocoder residual unit, x + conv1x1(SnakeBeta(y + y_bias)) + bias, for x and y
     [B, C, T] (y: the unit's dilated conv output, its bias `y_bias` left out) and the 1x1 conv's
-    weight [C, C, 1] and bias [C]; each bias added as the separate ops would add it."""
+    weight [C, C, 1] and bias [C]; `x_bias`, if given, is a bias x still lacks (the upsampling conv's
+    before a block's first unit). Each bias added as the separate ops would add it."""
+    if x_bias is not None:
+        x = x + x_bias[None, :, None]
     h = snake_beta_reference(y, log_alpha, log_beta, y_bias)
     return x + (F.conv1d(h, weight) + bias[None, :, None])
 
@@ -149,14 +153,15 @@ if triton is not None:
         tl.store(y_ptr + b * stride_yb + c[:, None] * stride_yc + col[None, :] * stride_yt, y, mask=mask)
 
     @triton.jit
-    def _residual_tail_kernel(x_ptr, y_ptr, out_ptr, a_ptr, b_ptr, y_bias_ptr, w_ptr, bias_ptr, C, T,
+    def _residual_tail_kernel(x_ptr, y_ptr, out_ptr, a_ptr, b_ptr, y_bias_ptr, w_ptr, bias_ptr, x_bias_ptr, C, T,
                               stride_xb, stride_xc, stride_xt, stride_yb, stride_yc, stride_yt,
                               stride_ob, stride_oc, stride_ot, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr,
-                              BLOCK_T: tl.constexpr, IEEE: tl.constexpr):
+                              BLOCK_T: tl.constexpr, IEEE: tl.constexpr, HAS_X_BIAS: tl.constexpr):
         """A [BLOCK_CO channels, BLOCK_T samples] tile of one stream's output: the SnakeBeta of y's
         tile, channel block by channel block, into the 1x1 conv's GEMM (tensor cores), then its bias
-        and the residual x. y and x are read once, out written once (the separate ops: 3 passes).
-        x, y and out in either layout (the strides say which of channels or samples are adjacent)."""
+        and the residual x (plus x's own bias first, HAS_X_BIAS). y and x are read once, out written
+        once (the separate ops: 3 passes). x, y and out in either layout (the strides say which of
+        channels or samples are adjacent)."""
         dtype = out_ptr.dtype.element_ty
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         co = tl.program_id(1) * BLOCK_CO + tl.arange(0, BLOCK_CO)
@@ -179,6 +184,8 @@ if triton is not None:
         conv = acc.to(dtype).to(tl.float32) + tl.load(bias_ptr + co, mask=co < C, other=0.0).to(tl.float32)[:, None]
         x = tl.load(x_ptr + b * stride_xb + co[:, None] * stride_xc + t[None, :] * stride_xt, mask=mask,
                     other=0.0).to(tl.float32)
+        if HAS_X_BIAS:                          # rounded as the conv's own bias add rounds
+            x = (x + tl.load(x_bias_ptr + co, mask=co < C, other=0.0).to(tl.float32)[:, None]).to(dtype).to(tl.float32)
         tl.store(out_ptr + b * stride_ob + co[:, None] * stride_oc + t[None, :] * stride_ot,
                  (x + conv.to(dtype).to(tl.float32)).to(dtype), mask=mask)
 
@@ -241,13 +248,14 @@ def snake_beta_triton(x, log_alpha, log_beta, bias=None, left=None, config: dict
 
 
 def residual_tail(x: torch.Tensor, y: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
-                  y_bias: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+                  y_bias: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                  x_bias: torch.Tensor | None = None) -> torch.Tensor:
     """`residual_tail_reference` in one kernel on CUDA: at the decoder's high rates a residual unit's
     SnakeBeta, 1x1 conv and residual add each made a pass over its largest activations (with cuDNN's
     layout conversions around the conv); this reads y and x once and writes the output once."""
     if triton is None or not x.is_cuda:
-        return residual_tail_reference(x, y, log_alpha, log_beta, y_bias, weight, bias)
-    return residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias)
+        return residual_tail_reference(x, y, log_alpha, log_beta, y_bias, weight, bias, x_bias)
+    return residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, x_bias=x_bias)
 
 
 # Launch configs `residual_tail` times per shape (the first is taken untimed): tiles of BLOCK_CO output
@@ -262,7 +270,8 @@ def residual_tail_configs(channels: int) -> list[dict]:
     return [c for c in RESIDUAL_TAIL_CONFIGS if c["BLOCK_CO"] <= max(128, triton.next_power_of_2(channels))]
 
 
-def residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, config: dict | None = None) -> torch.Tensor:
+def residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, config: dict | None = None,
+                         x_bias: torch.Tensor | None = None) -> torch.Tensor:
     """`residual_tail` with one of `residual_tail_configs` (default: the fastest for these shapes,
     timed once on the GPU)."""
     b, c, t = x.shape
@@ -271,10 +280,10 @@ def residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, config
     def launch(cfg, compile_only=False):
         grid = (triton.cdiv(t, cfg["BLOCK_T"]), triton.cdiv(c, cfg["BLOCK_CO"]), b)
         _launch(_residual_tail_kernel, grid,
-                (x, y, out, log_alpha, log_beta, y_bias, weight.reshape(c, c), bias, c, t,
-                 *x.stride(), *y.stride(), *out.stride()),
+                (x, y, out, log_alpha, log_beta, y_bias, weight.reshape(c, c), bias, bias if x_bias is None else x_bias,
+                 c, t, *x.stride(), *y.stride(), *out.stride()),
                 dict(BLOCK_CO=cfg["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=cfg["BLOCK_T"], IEEE=x.dtype == torch.float32,
-                     num_warps=cfg["num_warps"], num_stages=3), compile_only)
+                     HAS_X_BIAS=x_bias is not None, num_warps=cfg["num_warps"], num_stages=3), compile_only)
     if config is None:
         key = ("residual_tail", c, triton.next_power_of_2(b * t), x.dtype, _channels_adjacent(y))
         config = _fastest(key, residual_tail_configs(c), launch)
