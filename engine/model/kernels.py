@@ -138,7 +138,8 @@ if triton is not None:
                            BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
         """A [BLOCK_C channels, BLOCK_T samples] tile of one stream's [left, snake(x)] (x, y in either
         layout: the strides say which of channels or samples are adjacent)."""
-        col = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)       # output sample: L of left, T of x
+        col0 = tl.program_id(0) * BLOCK_T
+        col = col0 + tl.arange(0, BLOCK_T)                              # output sample: L of left, T of x
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         b = tl.program_id(2).to(tl.int64)
         cm = c < C
@@ -147,10 +148,15 @@ if triton is not None:
                     mask=mask & (col >= L)[None, :]).to(tl.float32)
         y = _snake(x, tl.load(a_ptr + c, mask=cm)[:, None], tl.load(b_ptr + c, mask=cm)[:, None],
                    tl.load(bias_ptr + c, mask=cm)[:, None], HAS_BIAS, y_ptr.dtype.element_ty)
-        if HAS_LEFT:                                # copied as it is, ahead of the new samples ([C, L] a stream)
-            left = tl.load(left_ptr + b * stride_left + c[:, None] * L + col[None, :], mask=mask & (col < L)[None, :])
-            y = tl.where((col < L)[None, :], left, y)
-        tl.store(y_ptr + b * stride_yb + c[:, None] * stride_yc + col[None, :] * stride_yt, y, mask=mask)
+        y_ptrs = y_ptr + b * stride_yb + c[:, None] * stride_yc + col[None, :] * stride_yt
+        tl.store(y_ptrs, y, mask=mask & (col >= L)[None, :])
+        # left ([C, L] a stream, samples adjacent) copied as it is ahead of the new samples, by the tiles
+        # that hold any of it only: with channels adjacent in y, that copy is a transpose through shared
+        # memory, which the other tiles (most of them) need not pay
+        if HAS_LEFT and col0 < L:
+            in_left = mask & (col < L)[None, :]
+            tl.store(y_ptrs, tl.load(left_ptr + b * stride_left + c[:, None] * L + col[None, :], mask=in_left),
+                     mask=in_left)
 
     @triton.jit
     def _residual_tail_kernel(x_ptr, y_ptr, out_ptr, a_ptr, b_ptr, y_bias_ptr, w_ptr, bias_ptr, x_bias_ptr, C, T,
