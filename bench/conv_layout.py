@@ -1,8 +1,8 @@
 """The vocoder's convolutions in cuDNN with channels-first against channels-last activations.
 
 For each conv shape of a window of --frames frames of --batch streams: the time (CUDA events,
-median; cuDNN's benchmark mode as the captured windows of the largest size use, or its heuristics), the GPU kernels it runs (layout conversions show up as
-nchwToNhwc / nhwcToNchw) and the output's strides, with the input (and weight) as PyTorch makes
+median; cuDNN's benchmark mode as every captured vocoder window uses, or its heuristics), the GPU
+kernels it runs (layout conversions show up as nchwToNhwc / nhwcToNchw) and the output's strides, with the input (and weight) as PyTorch makes
 them, and with [B, C, T] tensors whose channels are adjacent in memory (strides (T*C, 1, C)).
 
     python -m bench.conv_layout --batch 32
@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--frames", type=int, default=8, help="frames a window")
     ap.add_argument("--benchmark", type=int, default=1,
-                    help="1: cuDNN times its algorithms (the captured windows of the largest size); 0: its heuristics")
+                    help="1: cuDNN times its algorithms (as for the captured vocoder windows); 0: its heuristics")
     args = ap.parse_args()
     torch.backends.cudnn.benchmark = bool(args.benchmark)
     dev, dt, b = torch.device("cuda"), torch.bfloat16, args.batch
@@ -54,13 +54,11 @@ def main() -> None:
             x = torch.randn(b, cin, t + 1, device=dev, dtype=dt)
             w = torch.randn(cin, cout, k, device=dev, dtype=dt) * 0.05
             op = lambda x, w: F.conv_transpose1d(x, w, stride=stride)
+            op2 = lambda x, w: F.conv_transpose2d(x, w, stride=(1, stride))
         else:
             x = torch.randn(b, cin, t + (k - 1) * d, device=dev, dtype=dt)
             w = torch.randn(cout, cin, k, device=dev, dtype=dt) * 0.05
             op = lambda x, w, d=d: F.conv1d(x, w, dilation=d)
-        if stride:
-            op2 = lambda x, w: F.conv_transpose2d(x, w, stride=(1, stride))
-        else:
             op2 = lambda x, w, d=d: F.conv2d(x, w, dilation=(1, d))
         x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
         w4 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)

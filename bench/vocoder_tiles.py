@@ -39,16 +39,16 @@ def main() -> None:
         alpha, beta, bias = randn(c, scale=0.1), randn(c, scale=0.1), randn(c, scale=0.1)
         left = randn(b, c, n_left)
         weight = randn(c, c, 1, scale=c ** -0.5)
+        snake_mb = b * c * 2 * (t + n_left) * 2 / 1e6        # x and left read, y written
+        tail_mb = 3 * b * c * t * 2 / 1e6                     # x and y read, out written
         for layout, xs in (("channels_first", first), ("channels_last", last)):
             adjacent = layout == "channels_last"
-            snake_mb = b * c * 2 * (t + n_left) * 2 / 1e6        # x and left read, y written
             for cfg in kernels.SNAKE_CONFIGS[adjacent] + (extra if adjacent else []):
                 us = 1000 * timed_in_graph(lambda: kernels.snake_beta_triton(xs["x"], alpha, beta, None, left, cfg),
                                            args.reps)
                 emit(dict(peer="qwen3-tts-server", kind="vocoder_tile", kernel="snake_beta", layout=layout,
                           channels=c, samples=t, batch=b, config=cfg, us=round(us, 1),
                           tb_s=round(snake_mb / us, 2)), args.out)
-            tail_mb = 3 * b * c * t * 2 / 1e6
             for cfg in kernels.residual_tail_configs(c):
                 us = 1000 * timed_in_graph(
                     lambda: kernels.residual_tail_triton(xs["x"], xs["y"], alpha, beta, bias, weight, bias, cfg),

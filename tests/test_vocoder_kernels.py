@@ -33,7 +33,7 @@ def test_snake_beta_matches_the_reference(kernels, with_bias, n_left, layout, co
     b = bias if with_bias else None
     # a conv's context, copied ahead: a view into rows of a stream state, as `VocoderStreams.decode` passes it
     left = torch.randn(2, 5 + 40 * n_left, generator=g)[:, 5:].view(2, 40, n_left) if n_left else None
-    cfg = kernels.SNAKE_CONFIGS[layout == "channels_last"][config]
+    cfg = SNAKE_CONFIGS[layout == "channels_last"][config]
     out = kernels.snake_beta_triton(x, log_alpha, log_beta, b, left, cfg)
     assert out.shape == (2, 40, n_left + 300)
     assert (out.stride(1) == 1) == (layout == "channels_last")        # the output keeps x's layout
