@@ -17,10 +17,12 @@ the trailing holds only the known tokens past the prompt; the caller then feeds 
 rows as tokens arrive and `tts_eos` once the text is complete.
 
 Call granularity (MODEL.md 5.2-5.4, T17): tts_bos/eos/pad come from one E_t call on a length-3
-sequence and the role from one call on its 3 ids (both computed once per builder); E_t(R++T) is one
-call in ICL; x-vector streaming embeds T[0:1] and T[1:] in two calls; reference frames are summed as
-one reduction over a [T_ref, 16, D] stack (`Talker.embed_frame`). Text fed later one token at a time
-differs from a single E_t call only by GEMM blocking (~1e-7 in fp32), so no attempt is made to batch it.
+sequence and the role from one call on its 3 ids (both computed once per builder); a prompt's text
+(T, or R++T in ICL) is one E_t call, and `build_many` makes that one call for the texts of many
+prompts (an admission burst: a call per prompt was most of its host time). The official code embeds
+x-vector streaming T[0:1] and T[1:] in two calls; E_t is per token, so the rows differ only by GEMM
+blocking (~1e-7 in fp32 on the CPU; on the GPU E_t is a table lookup, `Talker.tabulate_text`: none).
+Reference frames are summed as one reduction over a [T_ref, 16, D] stack (`Talker.embed_frame`).
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ class PromptBuilder:
         return to_device(ids, self.device, torch.long)
 
     def embed_text(self, ids) -> torch.Tensor:
-        """E_t of target-text ids [n] -> [n, D] (for trailing rows fed as text arrives)."""
+        """E_t of text ids [n] -> [n, D] (prompts' texts, trailing rows fed as text arrives)."""
         with torch.no_grad():
             return self.talker.embed_text(self._ids(ids)[None])[0]
 
@@ -107,9 +109,15 @@ class PromptBuilder:
         text = torch.cat([self.tts_pad.expand(n - 2, -1), self.tts_bos[None]])
         return torch.cat([self.role, text + codec[:-1]])
 
+    @staticmethod
+    def embedded_ids(text_ids: list[int], voice: VoicePrompt) -> list[int]:
+        """The text ids whose E_t a prompt is made of: T, or R++T in ICL."""
+        return [*voice.ref_text_ids, *text_ids] if voice.icl else list(text_ids)
+
     def build(self, text_ids: list[int], voice: VoicePrompt, language: str = "auto",
-              non_streaming: bool = False, text_complete: bool = True) -> Prompt:
-        """The prompt for target ids T (`TextTokenizer.text_ids`), possibly only the first ones."""
+              non_streaming: bool = False, text_complete: bool = True, text: torch.Tensor | None = None) -> Prompt:
+        """The prompt for target ids T (`TextTokenizer.text_ids`), possibly only the first ones.
+        text: E_t of `embedded_ids(T, voice)` [n, D] when the caller has it (`build_many`)."""
         if text_complete and not text_ids:
             raise ValueError("empty text: nothing to speak")
         needed = self.tokens_needed(voice, non_streaming)
@@ -117,32 +125,42 @@ class PromptBuilder:
             raise ValueError(f"the prompt needs {'the complete text' if needed is None else f'{needed} text tokens'}"
                              f" in this mode; got {len(text_ids)} tokens of incomplete text")
         eos = self.tts_eos[None] if text_complete else self.tts_eos[:0]
-        empty = self.tts_pad[None][:0]
         with torch.no_grad():
             head = self._head(language, voice.xvector)
+            if text is None:
+                text = self.embed_text(self.embedded_ids(text_ids, voice))
             if voice.icl:
-                body, trailing = self._icl(text_ids, voice, non_streaming, text_complete, eos, empty)
+                body, trailing = self._icl(torch.cat([text, eos]), voice, non_streaming, text_complete)
             elif non_streaming:
-                n = len(text_ids) + 1
-                text = torch.cat([self.talker.embed_text(self._ids(text_ids)[None])[0], self.tts_eos[None]])
-                pads = self.talker.embed_codec(self._ids([self.config.talker.codec_pad_id] * n))
+                text = torch.cat([text, self.tts_eos[None]])
+                pads = self.codec_pad_bos[0].expand(text.shape[0], -1)            # E_c(pad) a position
                 body = torch.cat([text + pads, (self.tts_pad + self.codec_pad_bos[1])[None]])
-                trailing = empty
+                trailing = text[:0]
             else:
-                first = self.talker.embed_text(self._ids(text_ids[:1])[None])[0] + self.codec_pad_bos[1]
-                rest = self.talker.embed_text(self._ids(text_ids[1:])[None])[0] if len(text_ids) > 1 else empty
-                body, trailing = first, torch.cat([rest, eos])
+                body, trailing = text[:1] + self.codec_pad_bos[1], torch.cat([text[1:], eos])
         return Prompt(torch.cat([head, body]), trailing)
 
-    def _icl(self, text_ids, voice: VoicePrompt, non_streaming: bool, text_complete: bool, eos, empty):
+    def build_many(self, turns: list[tuple]) -> list[Prompt | ValueError]:
+        """`build(*turn)` of each turn (build's arguments but `text`), with one E_t call over all their
+        texts; a turn that `build` refuses gets its ValueError in its place."""
+        lists = [self.embedded_ids(turn[0], turn[1]) for turn in turns]
+        texts = self.embed_text([i for ids in lists for i in ids]).split([len(ids) for ids in lists])
+        prompts = []
+        for turn, text in zip(turns, texts):
+            try:
+                prompts.append(self.build(*turn, text=text))
+            except ValueError as e:
+                prompts.append(e)
+        return prompts
+
+    def _icl(self, text: torch.Tensor, voice: VoicePrompt, non_streaming: bool, text_complete: bool):
+        """Body and trailing of an ICL prompt from text = E_t(R++T) (++ tts_eos once complete)."""
         codes = to_device(voice.ref_codes, self.device)
         codec = torch.cat([self.codec_pad_bos[1:], self.talker.embed_frame(codes)])      # Y [Lc, D]
         lc = codec.shape[0]
-        text = torch.cat([self.talker.embed_text(self._ids(list(voice.ref_text_ids) + list(text_ids))[None])[0], eos])
         if non_streaming:
-            pads = self.talker.embed_codec(self._ids([self.config.talker.codec_pad_id] * text.shape[0]))
-            return torch.cat([text + pads, codec + self.tts_pad]), empty
+            pads = self.codec_pad_bos[0].expand(text.shape[0], -1)
+            return torch.cat([text + pads, codec + self.tts_pad]), text[:0]
         if text.shape[0] > lc or not text_complete:   # incomplete text covers Lc (tokens_needed)
             return text[:lc] + codec, text[lc:]
-        return torch.cat([text, self.tts_pad.expand(lc - text.shape[0], -1)]) + codec, empty
-
+        return torch.cat([text, self.tts_pad.expand(lc - text.shape[0], -1)]) + codec, text[:0]

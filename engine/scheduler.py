@@ -571,20 +571,24 @@ class Scheduler:
     def _admit(self) -> None:
         if self._cache_full:            # the cache's page budget is spent: wait for a session to end
             return
-        admitted = []
+        candidates = []
         for s in list(self._waiting):
-            if len(admitted) == len(self._free):
+            if len(candidates) == len(self._free):
                 break
             if not self._ready(s):
                 continue
             if s.text_done and not s.ids:
                 self._close(s, "error", "empty text: nothing to speak")
                 continue
-            r = s.request
-            try:
-                prompt = self.prompts.build(s.ids, r.voice, r.language, r.non_streaming_text, s.text_done)
-            except ValueError as e:
-                self._close(s, "error", str(e))
+            candidates.append(s)
+        if not candidates:
+            return
+        prompts = self.prompts.build_many([(s.ids, s.request.voice, s.request.language, s.request.non_streaming_text,
+                                            s.text_done) for s in candidates])
+        admitted = []
+        for s, prompt in zip(candidates, prompts):
+            if isinstance(prompt, ValueError):
+                self._close(s, "error", str(prompt))
                 continue
             p = prompt.embeds.shape[0]
             if p >= self.max_capacity:

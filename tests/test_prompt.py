@@ -135,6 +135,38 @@ def test_icl_long_text_and_incremental(setup, golden_npz):
     assert ns.embeds.shape[0] == 9 + lt + lc and ns.trailing.shape[0] == 0
 
 
+def test_build_many_is_build_of_each_turn_with_one_text_call(setup, golden_npz, monkeypatch):
+    """An admission's prompts from one E_t call over all their texts: the same embeddings as one
+    `build` each (E_t is per token: GEMM blocking apart), every layout, and the turns `build`
+    refuses get their error in their place."""
+    cfg, tok, builder = setup
+    z = golden_npz("ref_calib")
+    xvec = VoicePrompt(torch.from_numpy(z["xvector"]))
+    icl = VoicePrompt(xvec.xvector, torch.from_numpy(z["ref_codes"][:6]), tok.ref_text_ids("Calibration reference."))
+    ids = tok.text_ids("A batch of prompts made at once.")
+    turns = [(ids, xvec, "english"), (ids[:2], xvec, "auto", False, False), (ids, xvec, "chinese", True),
+             (ids, icl, "english"), (ids, icl, "english", True), (ids[:1], icl, "english", False, False),
+             ([], xvec, "english"), (ids[:2], xvec, "english", True, False), (tok.text_ids("Hi."), icl, "auto")]
+    expected = []
+    for turn in turns:
+        try:
+            expected.append(builder.build(*turn))
+        except ValueError as e:
+            expected.append(e)
+    calls = []
+    embed_text = builder.embed_text
+    monkeypatch.setattr(builder, "embed_text", lambda ids: calls.append(len(ids)) or embed_text(ids))
+    got = builder.build_many(turns)
+    assert calls == [sum(len(builder.embedded_ids(t[0], t[1])) for t in turns)]
+    for want, have in zip(expected, got):
+        if isinstance(want, ValueError):
+            assert isinstance(have, ValueError) and str(have) == str(want)
+            continue
+        torch.testing.assert_close(have.embeds, want.embeds, atol=1e-6, rtol=0)
+        torch.testing.assert_close(have.trailing, want.trailing, atol=1e-6, rtol=0)
+    assert sum(isinstance(p, ValueError) for p in got) == 3
+
+
 def test_a_voices_head_is_made_once_per_language_and_forgotten_with_it(setup, monkeypatch):
     """Prompts of one voice reuse its head per language (the same positions as a fresh one); the
     cached heads go when the voice's x-vector does."""

@@ -220,6 +220,22 @@ def test_text_in_pieces_gives_the_same_codes(model, voices, overlap):
         h.push_text("more")
 
 
+def test_a_burst_is_admitted_with_one_text_embedding_call(model, voices, golden_npz, monkeypatch):
+    """Requests waiting together are admitted together: their prompts' texts embedded in one call (a
+    call a session was most of a burst's admission time), and each turn still gets its golden codes."""
+    calls = []
+    embed_text = model.prompts.embed_text
+    monkeypatch.setattr(model.prompts, "embed_text", lambda ids: calls.append(len(ids)) or embed_text(ids))
+    cases = ["xvec_en", "icl_en", "xvec_auto", "icl_zh"]
+    sch = Scheduler(model, 4, keep_codes=True)
+    handles = {case: sch.submit(request(voices, case)) for case in cases}
+    with sch:                                   # started with all four waiting
+        results = {case: h.collect(60)[1] for case, h in handles.items()}
+    assert len(calls) == 1 and calls[0] > len(cases)
+    for case, result in results.items():
+        np.testing.assert_array_equal(result.codes, golden_npz(case)["codes_0"], err_msg=case)
+
+
 def test_stop_ends_open_requests(model, voices, overlap):
     sch = Scheduler(model, 1, overlap=overlap).start()
     waiting_for_text = sch.submit(SpeechRequest("Hello", voices["ref_en"], "english", GREEDY, text_complete=False))
