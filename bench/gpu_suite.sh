@@ -107,7 +107,9 @@ if has conv; then
 fi
 # the vocoder's SnakeBeta and residual-tail kernels in each launch config, either layout
 if has tiles; then
-  timeout 120 python3 -m bench.vocoder_tiles --batch ${CONV_BATCH:-32} --out "$R" > "$OUTD/tiles.log" 2>&1
+  # EXTRA_TAIL: more residual-tail configs to time (bench.vocoder_tiles --extra-tail)
+  timeout 240 python3 -m bench.vocoder_tiles --batch ${CONV_BATCH:-32} ${EXTRA_TAIL:+--extra-tail $EXTRA_TAIL} \
+    --out "$R" > "$OUTD/tiles.log" 2>&1
   echo "vocoder tiles rc=$? at $((SECONDS-t0)) s"
 fi
 if has attention; then

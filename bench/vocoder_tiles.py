@@ -1,9 +1,10 @@
 """The vocoder's per-sample Triton kernels, SnakeBeta and the residual tail, in each launch config they may
-time (`kernels.SNAKE_CONFIGS`, `kernels.RESIDUAL_TAIL_CONFIGS`, plus --extra-snake tiles), on tensors of
-either layout, at the decoder's widths for an 8-frame window of --batch streams: microseconds a call,
-timed in CUDA graphs (GPU time), with the rate of the kernel's reads and writes.
+time (`kernels.SNAKE_CONFIGS`, `kernels.RESIDUAL_TAIL_CONFIGS`, plus --extra-snake and --extra-tail ones,
+candidates: a row of error for one that does not run), on tensors of either layout, at the decoder's
+widths for an 8-frame window of --batch streams: microseconds a call, timed in CUDA graphs (GPU time),
+with the rate of the kernel's reads and writes.
 
-    python -m bench.vocoder_tiles --batch 32 [--extra-snake 8:512:4,16:512:8]
+    python -m bench.vocoder_tiles --batch 32 [--extra-snake 8:512:4,16:512:8] [--extra-tail 128:128:8:64:3]
 """
 from __future__ import annotations
 
@@ -25,10 +26,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--extra-snake", default="", help="more SnakeBeta tiles, BLOCK_C:BLOCK_T:num_warps,...")
+    ap.add_argument("--extra-tail", default="",
+                    help="more residual-tail configs, BLOCK_CO:BLOCK_T:num_warps:BLOCK_CI:num_stages,...")
     ap.add_argument("--out", default=None, help="append the rows to this JSON-lines file")
     args = ap.parse_args()
     extra = [dict(zip(("BLOCK_C", "BLOCK_T", "num_warps"), map(int, e.split(":"))))
              for e in args.extra_snake.split(",") if e]
+    extra_tail = [dict(zip(("BLOCK_CO", "BLOCK_T", "num_warps", "BLOCK_CI", "num_stages"), map(int, e.split(":"))))
+                  for e in args.extra_tail.split(",") if e]
     g = torch.Generator(device="cuda").manual_seed(0)
     b = args.batch
     for c, t, n_left in SHAPES:
@@ -49,14 +54,19 @@ def main() -> None:
                 emit(dict(peer="qwen3-tts-server", kind="vocoder_tile", kernel="snake_beta", layout=layout,
                           channels=c, samples=t, batch=b, config=cfg, us=round(us, 1),
                           tb_s=round(snake_mb / us, 2)), args.out)
-            for cfg in kernels.residual_tail_configs(c):
-                us = 1000 * timed_in_graph(
-                    lambda: kernels.residual_tail_triton(xs["x"], xs["y"], alpha, beta, bias, weight, bias, cfg),
-                    args.reps)
-                emit(dict(peer="qwen3-tts-server", kind="vocoder_tile", kernel="residual_tail", layout=layout,
-                          channels=c, samples=t, batch=b, config=cfg, us=round(us, 1),
-                          tb_s=round(tail_mb / us, 2)), args.out)
-
+            for cfg in kernels.residual_tail_configs(c) + extra_tail:
+                row = dict(peer="qwen3-tts-server", kind="vocoder_tile", kernel="residual_tail", layout=layout,
+                           channels=c, samples=t, batch=b, config=cfg)
+                try:
+                    us = 1000 * timed_in_graph(
+                        lambda: kernels.residual_tail_triton(xs["x"], xs["y"], alpha, beta, bias, weight, bias, cfg),
+                        args.reps)
+                except Exception as e:          # a candidate past the shared memory, say
+                    if cfg not in extra_tail:
+                        raise
+                    emit(dict(row, kind="error", error=f"{type(e).__name__}: {e}"[:300]), args.out)
+                    continue
+                emit(dict(row, us=round(us, 1), tb_s=round(tail_mb / us, 2)), args.out)
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@ them in every residual unit, and `bench/precision.py` reports its waveform error
 import pytest
 import torch
 
-from engine.model.kernels import SNAKE_CONFIGS
+from engine.model.kernels import RESIDUAL_TAIL_CONFIGS, SNAKE_CONFIGS
 from engine.model.vocoder import channels_adjacent
 from tests.triton_cpu import require_triton
 
@@ -45,7 +45,7 @@ def test_snake_beta_matches_the_reference(kernels, with_bias, n_left, layout, co
 @pytest.mark.parametrize("channels, samples, layout", [(96, 150, "channels_first"), (40, 64, "channels_first"),
                                                        (8, 7, "channels_first"), (160, 130, "channels_first"),
                                                        (96, 150, "channels_last"), (40, 64, "channels_last")])
-@pytest.mark.parametrize("config", range(4))
+@pytest.mark.parametrize("config", range(len(RESIDUAL_TAIL_CONFIGS)))
 @pytest.mark.parametrize("with_x_bias", [False, True])
 def test_residual_tail_matches_the_reference(kernels, channels, samples, layout, config, with_x_bias):
     """SnakeBeta (with the dilated conv's bias), the 1x1 conv and its bias, the residual add (x with
@@ -60,7 +60,7 @@ def test_residual_tail_matches_the_reference(kernels, channels, samples, layout,
     log_alpha, log_beta, y_bias, bias, x_bias = (torch.randn(channels, generator=g) * 0.5 for _ in range(5))
     x_bias = x_bias if with_x_bias else None
     weight = torch.randn(channels, channels, 1, generator=g) / channels ** 0.5
-    cfg = kernels.RESIDUAL_TAIL_CONFIGS[config]
+    cfg = RESIDUAL_TAIL_CONFIGS[config]
     out = kernels.residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, cfg, x_bias=x_bias)
     assert (out.stride(1) == 1) == (layout == "channels_last")
     torch.testing.assert_close(out, kernels.residual_tail_reference(x, y, log_alpha, log_beta, y_bias, weight, bias,

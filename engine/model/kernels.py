@@ -265,10 +265,13 @@ def residual_tail(x: torch.Tensor, y: torch.Tensor, log_alpha: torch.Tensor, log
 
 
 # Launch configs `residual_tail` times per shape (the first is taken untimed): tiles of BLOCK_CO output
-# channels by BLOCK_T samples. A tile computes the SnakeBeta of every input channel once, so a block
-# of 256 channels computes it half as often as one of 128 where channels are many (the low rates).
+# channels by BLOCK_T samples, stepping through the input channels BLOCK_CI (default 32) at a time in
+# num_stages (default 3). A tile computes the SnakeBeta of every input channel once, so a block of 256
+# channels computes it half as often as one of 128 where channels are many (the low rates). On an H100
+# (bench.vocoder_tiles, bench/README.md) 64 x 128 tiles and steps of 64 or 128 channels were 1.5-3x
+# slower at every width and either layout, and 4 stages no faster than 3.
 RESIDUAL_TAIL_CONFIGS = [dict(BLOCK_CO=co, BLOCK_T=t, num_warps=w) for co, t, w in
-                         ((128, 64, 4), (128, 128, 8), (64, 128, 4), (256, 64, 8))]
+                         ((128, 64, 4), (128, 128, 8), (256, 64, 8))]
 
 
 def residual_tail_configs(channels: int) -> list[dict]:
@@ -288,8 +291,9 @@ def residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, config
         _launch(_residual_tail_kernel, grid,
                 (x, y, out, log_alpha, log_beta, y_bias, weight.reshape(c, c), bias, bias if x_bias is None else x_bias,
                  c, t, *x.stride(), *y.stride(), *out.stride()),
-                dict(BLOCK_CO=cfg["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=cfg["BLOCK_T"], IEEE=x.dtype == torch.float32,
-                     HAS_X_BIAS=x_bias is not None, num_warps=cfg["num_warps"], num_stages=3), compile_only)
+                dict(BLOCK_CO=cfg["BLOCK_CO"], BLOCK_CI=cfg.get("BLOCK_CI", 32), BLOCK_T=cfg["BLOCK_T"],
+                     IEEE=x.dtype == torch.float32, HAS_X_BIAS=x_bias is not None, num_warps=cfg["num_warps"],
+                     num_stages=cfg.get("num_stages", 3)), compile_only)
     if config is None:
         key = ("residual_tail", c, triton.next_power_of_2(b * t), x.dtype, _channels_adjacent(y))
         config = _fastest(key, residual_tail_configs(c), launch)
