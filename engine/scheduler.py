@@ -585,7 +585,7 @@ class Scheduler:
             return
         prompts = self.prompts.build_many([(s.ids, s.request.voice, s.request.language, s.request.non_streaming_text,
                                             s.text_done) for s in candidates])
-        admitted = []
+        planned = []                            # (session, prompt, cache positions to reserve)
         for s, prompt in zip(candidates, prompts):
             if isinstance(prompt, ValueError):
                 self._close(s, "error", str(prompt))
@@ -595,20 +595,14 @@ class Scheduler:
                 self._close(s, "error", f"prompt of {p} positions exceeds the cache ({self.max_capacity})")
                 continue
             estimate = p + min(s.max_frames, self.frames_per_token * max(len(s.ids), 1) + self.frame_margin)
-            slot = self._free[len(admitted)]      # the slot it will take (the lowest free first)
-            try:
-                self.runner.reserve([slot], [int(estimate) + 1])
-            except CacheFull:                    # no room for its cache now: it waits, in order
-                self.runner.release([slot])
-                if not admitted and not (self._phase != FREE).any():   # and none will come back: it never fits
-                    self._close(s, "error", f"the turn does not fit in the KV cache ({int(estimate)} positions)")
-                    continue
-                self._cache_full = True
-                break
-            except torch.OutOfMemoryError:
-                self.runner.release([slot])
-                self._out_of_memory()
-                break
+            planned.append((s, prompt, int(estimate) + 1))
+        fit = self._reserve(self._free[:len(planned)], [n for _, _, n in planned])   # the lowest free slots
+        if fit == 0 and planned and self._cache_full and not (self._phase != FREE).any():
+            s, _, n = planned[0]                 # no room and none will come back: it never fits
+            self._close(s, "error", f"the turn does not fit in the KV cache ({n - 1} positions)")
+            self._cache_full = False
+        admitted = []
+        for s, prompt, _ in planned[:fit]:
             s.prompt, s.trail_ids = prompt.embeds, self._trailing_ids(s, prompt.trailing.shape[0])
             admitted.append(s)
         if not admitted:
@@ -626,6 +620,23 @@ class Scheduler:
             self._queued -= len(admitted)
         self.runner.admit(slots, [s.request.sampling for s in admitted], [s.max_frames for s in admitted])
         self.vocoder.start(slots, [s.request.voice.ref_codes if s.request.voice.icl else None for s in admitted])
+
+    def _reserve(self, slots: list[int], positions: list[int]) -> int:
+        """Cache pages for positions[i] of slots[i], in order, in one reservation; returns how many slots
+        got all theirs. Those after the first that did not give theirs back and wait: when the cache's
+        page budget is spent (`_cache_full`, until a session ends) or the device is out of memory."""
+        try:
+            self.runner.reserve(slots, positions)
+            return len(slots)
+        except (CacheFull, torch.OutOfMemoryError) as e:
+            short = np.flatnonzero(self.runner.cache.reserved(slots) < np.minimum(positions, self.runner.capacity))
+            fit = int(short[0]) if short.size else len(slots)
+            self.runner.release(slots[fit:])
+            if isinstance(e, CacheFull):
+                self._cache_full = True
+            else:
+                self._out_of_memory()
+            return fit
 
     def _trailing_ids(self, s: _Session, n_trailing: int) -> list[int]:
         """Ids of the prompt's trailing text: the last n of (R if ICL) ++ T ++ (tts_eos if complete).

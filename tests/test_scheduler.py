@@ -333,6 +333,30 @@ def test_admissions_wait_for_cache_room(model, voices, golden_npz):
         assert result.reason == "error" and "does not fit in the KV cache" in result.error
 
 
+def test_out_of_memory_while_reserving_admits_the_turns_before_it(model, voices, golden_npz, monkeypatch):
+    """Turns admitted together reserve their cache pages in one go, in order: the device running out
+    of memory at the second turn's first page admits the first, and the others wait and come in once
+    admissions resume. Every turn gets its golden codes."""
+    sch = Scheduler(model, 3, keep_codes=True, kv_page_size=4, oom_defer_iterations=2)
+    take_page, taken = sch.runner.cache._take_page, []
+
+    def flaky():
+        taken.append(1)
+        if len(taken) == pages_first_turn + 1:
+            raise torch.OutOfMemoryError("injected: the second turn's first page")
+        return take_page()
+    pages_first_turn = -(-(sch.prompts.build(model.tokenizer.text_ids(CASES["xvec_en"][0]), voices["ref_en"],
+                                             "english").embeds.shape[0] + 31 + 1) // 4)    # its estimate: 31 frames
+    monkeypatch.setattr(sch.runner.cache, "_take_page", flaky)
+    handles = [sch.submit(request(voices, "xvec_en")) for _ in range(3)]
+    with sch:
+        results = [h.collect(60)[1] for h in handles]
+    assert sch.stats().oom_recoveries == 1
+    assert results[0].queue_ms < min(r.queue_ms for r in results[1:])
+    for r in results:
+        np.testing.assert_array_equal(r.codes, golden_npz("xvec_en")["codes_0"])
+
+
 def test_a_turn_that_outgrows_a_full_cache_ends_with_its_audio(model, voices, golden_npz, overlap):
     """A turn that runs past its reservation when the page budget is spent ends as at its frame
     limit after the retries, with every frame it made delivered, and its pages come back."""
