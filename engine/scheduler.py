@@ -622,9 +622,10 @@ class Scheduler:
         self.vocoder.start(slots, [s.request.voice.ref_codes if s.request.voice.icl else None for s in admitted])
 
     def _reserve(self, slots: list[int], positions: list[int]) -> int:
-        """Cache pages for positions[i] of slots[i], in order, in one reservation; returns how many slots
-        got all theirs. Those after the first that did not give theirs back and wait: when the cache's
-        page budget is spent (`_cache_full`, until a session ends) or the device is out of memory."""
+        """Cache pages for positions[i] of slots[i], in order, in one reservation; returns how many
+        slots, from the first, got all theirs. When the cache's page budget is spent (`_cache_full`,
+        until a session ends) or the device is out of memory, the slot that came short and those after
+        it give back what they got, and their sessions wait."""
         try:
             self.runner.reserve(slots, positions)
             return len(slots)
