@@ -244,6 +244,29 @@ def test_skinny_linear_matches_the_separate_ops(kernels, rows, epilogue):
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=str(config))
 
 
+def test_a_config_that_does_not_build_is_passed_over(kernels, monkeypatch, caplog):
+    """A candidate this GPU cannot build (shared memory, ptxas, a compile error on an architecture the
+    configs were not tested on) times as infinite, with a warning, and the warm-up picks among the
+    others instead of stopping."""
+    import triton
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(kernels, "PARALLEL_COMPILE", False)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn())
+    failures = {1: triton.runtime.errors.OutOfResources(1, 0, "shared memory"),
+                2: triton.compiler.errors.CompilationError(None, None, "arange's end must exceed its start"),
+                3: triton.runtime.errors.PTXASError("ptxas failed")}
+
+    def launch(c, compile_only=False):
+        if c["n"] in failures:
+            raise failures[c["n"]]
+        return {4: 2.0, 5: 1.0}[c["n"]]
+    with caplog.at_level("WARNING"):
+        best = kernels._fastest(("a test key",), [{"n": n} for n in range(1, 6)], launch)
+    assert best == {"n": 5}
+    assert sum("does not build" in r.message for r in caplog.records) == 3
+
+
 def test_candidate_configs_compile_side_by_side(kernels, monkeypatch, caplog):
     """`_fastest` first has every config it will time compiled at once: each launch asked only to
     compile, all inside one Triton async-compile context; where that fails it turns itself off and

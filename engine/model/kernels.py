@@ -400,9 +400,14 @@ def _launch(kernel, grid: tuple, args: tuple, options: dict, compile_only: bool 
 
 
 def _time(launch, config) -> float:
+    """Milliseconds of one launch with `config`; infinite for a config this GPU cannot build (too much
+    shared memory, or a compile or ptxas failure on an architecture the configs were not tested on):
+    the others are timed and the warm-up goes on."""
     try:
         return triton.testing.do_bench(lambda: launch(config), warmup=2, rep=10)
-    except triton.runtime.errors.OutOfResources:       # too much shared memory for this GPU
+    except (triton.runtime.errors.OutOfResources, triton.runtime.errors.PTXASError,
+            triton.compiler.errors.CompilationError) as e:
+        log.warning("kernel config %s does not build on this GPU (%s); timing the others", config, type(e).__name__)
         return float("inf")
 
 
