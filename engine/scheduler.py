@@ -585,7 +585,7 @@ class Scheduler:
             return
         prompts = self.prompts.build_many([(s.ids, s.request.voice, s.request.language, s.request.non_streaming_text,
                                             s.text_done) for s in candidates])
-        planned = []                            # (session, prompt, cache positions to reserve)
+        planned = []             # (session, prompt embeds, trailing rows, cache positions to reserve)
         for s, prompt in zip(candidates, prompts):
             if isinstance(prompt, ValueError):
                 self._close(s, "error", str(prompt))
@@ -595,15 +595,16 @@ class Scheduler:
                 self._close(s, "error", f"prompt of {p} positions exceeds the cache ({self.max_capacity})")
                 continue
             estimate = p + min(s.max_frames, self.frames_per_token * max(len(s.ids), 1) + self.frame_margin)
-            planned.append((s, prompt, int(estimate) + 1))
-        fit = self._reserve(self._free[:len(planned)], [n for _, _, n in planned])   # the lowest free slots
+            planned.append((s, prompt.embeds, prompt.trailing.shape[0], int(estimate) + 1))
+        del prompts              # the trailing rows' embeddings: decode steps embed their ids as they go
+        fit = self._reserve(self._free[:len(planned)], [n for *_, n in planned])   # the lowest free slots
         if fit == 0 and planned and self._cache_full and not (self._phase != FREE).any():
-            s, _, n = planned[0]                 # no room and none will come back: it never fits
+            s, *_, n = planned[0]                # no room and none will come back: it never fits
             self._close(s, "error", f"the turn does not fit in the KV cache ({n - 1} positions)")
             self._cache_full = False
         admitted = []
-        for s, prompt, _ in planned[:fit]:
-            s.prompt, s.trail_ids = prompt.embeds, self._trailing_ids(s, prompt.trailing.shape[0])
+        for s, embeds, n_trailing, _ in planned[:fit]:
+            s.prompt, s.trail_ids = embeds, self._trailing_ids(s, n_trailing)
             admitted.append(s)
         if not admitted:
             return
