@@ -2,8 +2,9 @@
 
 For each conv shape of a window of --frames frames of --batch streams: the time (CUDA events,
 median; cuDNN's benchmark mode as every captured vocoder window uses, or its heuristics), the GPU
-kernels it runs (layout conversions show up as nchwToNhwc / nhwcToNchw) and the output's strides, with the input (and weight) as PyTorch makes
-them, and with [B, C, T] tensors whose channels are adjacent in memory (strides (T*C, 1, C)).
+kernels it runs (layout conversions show up as nchwToNhwc / nhwcToNchw) and the output's strides,
+with the input (and weight) as PyTorch makes them, and with [B, C, T] tensors whose channels are
+adjacent in memory (strides (T*C, 1, C)).
 
     python -m bench.conv_layout --batch 32
 """

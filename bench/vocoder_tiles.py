@@ -48,25 +48,27 @@ def main() -> None:
         tail_mb = 3 * b * c * t * 2 / 1e6                     # x and y read, out written
         for layout, xs in (("channels_first", first), ("channels_last", last)):
             adjacent = layout == "channels_last"
+            row = dict(peer="qwen3-tts-server", kind="vocoder_tile", layout=layout, channels=c, samples=t, batch=b)
             for cfg in kernels.SNAKE_CONFIGS[adjacent] + (extra if adjacent else []):
-                us = 1000 * timed_in_graph(lambda: kernels.snake_beta_triton(xs["x"], alpha, beta, None, left, cfg),
-                                           args.reps)
-                emit(dict(peer="qwen3-tts-server", kind="vocoder_tile", kernel="snake_beta", layout=layout,
-                          channels=c, samples=t, batch=b, config=cfg, us=round(us, 1),
-                          tb_s=round(snake_mb / us, 2)), args.out)
+                time_config(dict(row, kernel="snake_beta", config=cfg), snake_mb, cfg in extra, args,
+                            lambda: kernels.snake_beta_triton(xs["x"], alpha, beta, None, left, cfg))
             for cfg in kernels.residual_tail_configs(c) + extra_tail:
-                row = dict(peer="qwen3-tts-server", kind="vocoder_tile", kernel="residual_tail", layout=layout,
-                           channels=c, samples=t, batch=b, config=cfg)
-                try:
-                    us = 1000 * timed_in_graph(
-                        lambda: kernels.residual_tail_triton(xs["x"], xs["y"], alpha, beta, bias, weight, bias, cfg),
-                        args.reps)
-                except Exception as e:          # a candidate past the shared memory, say
-                    if cfg not in extra_tail:
-                        raise
-                    emit(dict(row, kind="error", error=f"{type(e).__name__}: {e}"[:300]), args.out)
-                    continue
-                emit(dict(row, us=round(us, 1), tb_s=round(tail_mb / us, 2)), args.out)
+                time_config(dict(row, kernel="residual_tail", config=cfg), tail_mb, cfg in extra_tail, args,
+                            lambda: kernels.residual_tail_triton(xs["x"], xs["y"], alpha, beta, bias, weight, bias, cfg))
+
+
+def time_config(row: dict, mb: float, candidate: bool, args, fn) -> None:
+    """Emit `row` with fn's microseconds a call and the rate of its `mb` of reads and writes; for a
+    candidate config that does not run (past the shared memory, say), a row of error instead."""
+    try:
+        us = 1000 * timed_in_graph(fn, args.reps)
+    except Exception as e:
+        if not candidate:
+            raise
+        emit(dict(row, kind="error", error=f"{type(e).__name__}: {e}"[:300]), args.out)
+        return
+    emit(dict(row, us=round(us, 1), tb_s=round(mb / us, 2)), args.out)
+
 
 if __name__ == "__main__":
     main()

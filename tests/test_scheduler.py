@@ -338,6 +338,8 @@ def test_out_of_memory_while_reserving_admits_the_turns_before_it(model, voices,
     of memory at the second turn's first page admits the first, and the others wait and come in once
     admissions resume. Every turn gets its golden codes."""
     sch = Scheduler(model, 3, keep_codes=True, kv_page_size=4, oom_defer_iterations=2)
+    prompt = sch.prompts.build(model.tokenizer.text_ids(CASES["xvec_en"][0]), voices["ref_en"], "english")
+    pages_first_turn = -(-(prompt.embeds.shape[0] + 31 + 1) // 4)      # its estimate: the prompt and 31 frames
     take_page, taken = sch.runner.cache._take_page, []
 
     def flaky():
@@ -345,8 +347,6 @@ def test_out_of_memory_while_reserving_admits_the_turns_before_it(model, voices,
         if len(taken) == pages_first_turn + 1:
             raise torch.OutOfMemoryError("injected: the second turn's first page")
         return take_page()
-    pages_first_turn = -(-(sch.prompts.build(model.tokenizer.text_ids(CASES["xvec_en"][0]), voices["ref_en"],
-                                             "english").embeds.shape[0] + 31 + 1) // 4)    # its estimate: 31 frames
     monkeypatch.setattr(sch.runner.cache, "_take_page", flaky)
     handles = [sch.submit(request(voices, "xvec_en")) for _ in range(3)]
     with sch:
