@@ -112,6 +112,12 @@ if has tiles; then
     --out "$R" > "$OUTD/tiles.log" 2>&1
   echo "vocoder tiles rc=$? at $((SECONDS-t0)) s"
 fi
+# the skinny GEMMs (1-16 rows) in every config, alone and chained, timed in CUDA graphs
+if has skinny; then
+  timeout 400 python3 -m bench.skinny_gemms --rows ${SKINNY_ROWS:-1,8} ${SKINNY_EXTRA:+--extra $SKINNY_EXTRA} \
+    --out "$R" > "$OUTD/skinny.log" 2>&1
+  echo "skinny gemms rc=$? at $((SECONDS-t0)) s"
+fi
 if has attention; then
   timeout 300 python3 -m bench.attention_configs --out "$R" > "$OUTD/attention.log" 2>&1
   echo "attention configs rc=$? at $((SECONDS-t0)) s"

@@ -38,8 +38,11 @@ def synthesize(model, requests: list[SpeechRequest]) -> list[SynthResult]:
         return []
     builder = model.prompts
     default_frames = model.config.generation.max_new_tokens - 1
-    prompts = [builder.build(model.tokenizer.text_ids(r.text), r.voice, r.language, r.non_streaming_text)
-               for r in requests]
+    prompts = builder.build_many([(model.tokenizer.text_ids(r.text), r.voice, r.language, r.non_streaming_text)
+                                  for r in requests])
+    refused = next((p for p in prompts if isinstance(p, ValueError)), None)
+    if refused is not None:
+        raise refused
     limits = [default_frames if r.max_frames is None else r.max_frames for r in requests]
     if any(f < 0 for f in limits):
         raise ValueError("max_frames must be >= 0")

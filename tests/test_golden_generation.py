@@ -72,6 +72,15 @@ def test_frame_accounting(model, golden_cases, golden_npz, golden_results):
         assert res.reason == "max_frames" and res.wav.shape[0] == n * 1920
 
 
+def test_synthesize_refuses_a_batch_with_an_empty_text(model, golden_cases, golden_npz):
+    """A request the prompt builder refuses fails the batch with the builder's error (prompts are built
+    in one go, `PromptBuilder.build_many`), before anything is generated."""
+    good = golden_requests(model, golden_cases["batch2_eos"], golden_npz("batch2_eos"))[0]
+    empty = SpeechRequest(text="", voice=good.voice, language=good.language)
+    with pytest.raises(ValueError, match="empty text"):
+        synthesize(model, [good, empty])
+
+
 def test_icl_cut_formula():
     assert icl_cut(1, 49, 1920) == 1919                      # the official off-by-one (MODEL.md 9.2)
     assert icl_cut(36, 67, 1920) == int(36 / 67 * (67 * 1920))
