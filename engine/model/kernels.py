@@ -79,6 +79,9 @@ PDL = os.environ.get("QWEN3_TTS_PDL", "1") != "0"
 # With PDL, `linear` and `decode_attention` ask L2 for their weights / older keys and values before they
 # wait (see `_prefetch_rows_l2`); QWEN3_TTS_PREFETCH=0: they do not.
 PREFETCH = os.environ.get("QWEN3_TTS_PREFETCH", "1") != "0"
+# ... but `linear`'s own weights only with QWEN3_TTS_LINEAR_PREFETCH=1: one stream on an H100 ran 12%
+# faster without them (19.6x -> 22.0x, call BK-BL, bench/README.md; it was +3% in call AJ).
+LINEAR_PREFETCH = os.environ.get("QWEN3_TTS_LINEAR_PREFETCH", "0") == "1"
 
 
 @functools.cache
@@ -689,13 +692,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, conf
     """out [M, N] = `linear`(x [M, K], weight) with one launch config of `linear_configs(M)`."""
     (m, k), n = x.shape, out.shape[1]
     dot = config["kernel"] == "dot"
+    pdl = _pdl(x, prefetch=True)
+    pdl["PREFETCH"] = pdl["PREFETCH"] and LINEAR_PREFETCH
     _launch(_skinny_linear_kernel, (triton.cdiv(n, config["BLOCK_N"]),),
             (x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
              m, n, k, eps),
             dict(BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], DOT=dot,
                  IEEE=x.dtype == torch.float32, NORM=norm_weight is not None, GATED=gated,
                  RESIDUAL=residual is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
-                 **_pdl(x, prefetch=True)), compile_only)
+                 **pdl), compile_only)
 
 
 if triton is not None:
