@@ -1,9 +1,9 @@
 """A decode layer's four GEMMs at 1-16 rows (the skinny kernel's range), in every launch config
 `kernels.linear` may time, on the GPU as a CUDA graph replays them: alone (each call on its own copy of
 the weights, more than L2 holds, as a decode step streams its layers') and in a chain of layers
-(qkv -> output -> gate/up -> down, one weight copy a layer, dependent launches as served). Beside them:
-the read of the same weights (`torch.sum`, the memory floor), cuBLAS, and the config `linear`'s own
-timing picks (`triton.testing.do_bench`, eager).
+(qkv -> output -> gate/up -> down, one weight copy a layer, dependent launches as served), also with
+the weights' L2 prefetch on and off and without dependent launches. Beside them: cuBLAS, and the config
+`linear`'s own timing picks (`triton.testing.do_bench`, eager).
 
     python -m bench.skinny_gemms --rows 1,8 [--extra gemv:8:1024:8:2,dot:32:512:8:3]
 """
@@ -46,9 +46,8 @@ class Gemm:
 
     def picked(self, rows) -> dict:
         kernels.linear(self.x, self.weights[0], self.nw, 1e-6, self.gated, self.r)
-        key = ("linear", self.n, self.k, self.x.dtype, rows if rows <= kernels.GEMV_ROWS else kernels.SKINNY_ROWS,
-               self.norm, self.gated, self.residual)
-        return kernels._fastest_config[key]
+        return kernels._fastest_config[kernels.linear_timing_key(rows, self.n, self.k, self.x.dtype, self.norm,
+                                                                  self.gated, self.residual)]
 
 
 def isolated_us(fn, copies, reps) -> float:
@@ -89,7 +88,6 @@ def main() -> None:
                 except Exception as e:          # a config this GPU cannot build
                     times[name_of(c)] = float("inf")
                     print(f"{g.name} {rows} {name_of(c)}: {type(e).__name__}: {str(e)[:200]}")
-            read = isolated_us(lambda i: g.weights[i].sum(), args.copies, args.reps)
             # the picked config on one weight copy over and over (L2-resident): its latency, not its read
             picks[g.name] = g.picked(rows)
             hot = isolated_us(lambda i: g.run(picks[g.name], 0), args.copies, args.reps)
@@ -97,7 +95,7 @@ def main() -> None:
             best[g.name] = min(configs, key=lambda c: times[name_of(c)])
             mb = g.weights[0].numel() * 2 / 1e6
             emit(dict(peer="qwen3-tts-server", kind="skinny_gemm", gemm=g.name, rows=rows, n=g.n, k=g.k, weight_mb=mb,
-                      read_us=round(read, 2), hot_us=round(hot, 2), cublas_us=round(cublas, 2), picked=name_of(picks[g.name]),
+                      hot_us=round(hot, 2), cublas_us=round(cublas, 2), picked=name_of(picks[g.name]),
                       picked_us=round(times[name_of(picks[g.name])], 2), best=name_of(best[g.name]),
                       best_us=round(times[name_of(best[g.name])], 2),
                       us={c: round(t, 2) for c, t in sorted(times.items(), key=lambda kv: kv[1])}), args.out)
@@ -117,12 +115,12 @@ def main() -> None:
             return 1000 * timed_in_graph(lambda: layers(0), args.reps, launches=1) / args.copies
 
         rows_out = dict(picked=chain(picks), best_alone=chain(best), picked_hot=chain(picks, hot=True))
-        saved = kernels.PDL, kernels.PREFETCH
-        kernels.PREFETCH = False
-        rows_out["picked_no_prefetch"] = chain(picks)
+        saved = kernels.PDL, kernels.LINEAR_PREFETCH
+        kernels.LINEAR_PREFETCH = not saved[1]
+        rows_out["picked_prefetch" if kernels.LINEAR_PREFETCH else "picked_no_prefetch"] = chain(picks)
         kernels.PDL = False
         rows_out["picked_no_pdl"] = chain(picks)
-        kernels.PDL, kernels.PREFETCH = saved
+        kernels.PDL, kernels.LINEAR_PREFETCH = saved
         # each GEMM's configs in the chain, the others at their picks
         in_chain = {}
         for g in gemms:

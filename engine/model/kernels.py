@@ -89,13 +89,14 @@ def _pdl_capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _pdl(x: torch.Tensor, prefetch: bool = False) -> dict:
+def _pdl(x: torch.Tensor, prefetch: bool | None = None) -> dict:
     """Launch options of a decode-path kernel for data on x's device: the `PDL` constexpr (the kernel
     waits for its predecessor first) and Triton's `launch_pdl`, on a GPU that has them; for a kernel
-    with a `PREFETCH` constexpr (`prefetch`), that too: it asks L2 for its data while it waits."""
+    with a `PREFETCH` constexpr (`prefetch` not None: whether that kernel wants it), that too: it asks L2
+    for its data while it waits."""
     on = PDL and x.is_cuda and _pdl_capable(x.device)
     options = dict(PDL=True, launch_pdl=True) if on else dict(PDL=False)
-    return dict(options, PREFETCH=on and PREFETCH) if prefetch else options
+    return options if prefetch is None else dict(options, PREFETCH=on and PREFETCH and prefetch)
 
 
 def snake_beta_reference(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
@@ -678,12 +679,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     launch = lambda c, compile_only=False: skinny_linear(x2, weight, y, c, norm_weight, eps, gated, r2,  # noqa: E731
                                                          compile_only)
-    # the CUDA-core variants are timed for each row count they serve (1 and 2 rows want different
-    # configs); the tensor-core one pads to 16 rows, so one timing serves all its row counts
-    key = ("linear", n, k, x.dtype, rows if rows <= GEMV_ROWS else SKINNY_ROWS, norm_weight is not None, gated,
-           r2 is not None)
+    key = linear_timing_key(rows, n, k, x.dtype, norm_weight is not None, gated, r2 is not None)
     launch(_fastest(key, linear_configs(rows), launch))
     return y.view(*x.shape[:-1], n)
+
+
+def linear_timing_key(rows: int, n: int, k: int, dtype: torch.dtype, norm: bool, gated: bool, residual: bool) -> tuple:
+    """The key `linear`'s skinny kernel is timed under (`_fastest`): the CUDA-core variants are timed
+    for each row count they serve (1 and 2 rows want different configs); the tensor-core one pads to 16
+    rows, so one timing serves all its row counts."""
+    return ("linear", n, k, dtype, rows if rows <= GEMV_ROWS else SKINNY_ROWS, norm, gated, residual)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: dict,
@@ -692,15 +697,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, conf
     """out [M, N] = `linear`(x [M, K], weight) with one launch config of `linear_configs(M)`."""
     (m, k), n = x.shape, out.shape[1]
     dot = config["kernel"] == "dot"
-    pdl = _pdl(x, prefetch=True)
-    pdl["PREFETCH"] = pdl["PREFETCH"] and LINEAR_PREFETCH
     _launch(_skinny_linear_kernel, (triton.cdiv(n, config["BLOCK_N"]),),
             (x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
              m, n, k, eps),
             dict(BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], DOT=dot,
                  IEEE=x.dtype == torch.float32, NORM=norm_weight is not None, GATED=gated,
                  RESIDUAL=residual is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
-                 **pdl), compile_only)
+                 **_pdl(x, prefetch=LINEAR_PREFETCH)), compile_only)
 
 
 if triton is not None:
