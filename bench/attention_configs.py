@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from bench.breakdown import timed_in_graph
+from bench.breakdown import attention_config_name, timed_in_graph
 from bench.results import emit
 from engine.kv_cache import KVCache
 from engine.model import kernels
@@ -35,7 +35,7 @@ def time_case(rows: int, t: int, keys: int, layers: int, page: int, capacity: in
     kv_bytes = rows * keys * KV_HEADS * HEAD_DIM * 2 * 2
     out = {}
     for c in configs:
-        name = "k{BLOCK_K}w{num_warps}s{num_stages}".format(**c)
+        name = attention_config_name(c)
         try:
             us = 1000 * timed_in_graph(lambda: kernels.decode_attention(
                 qkv, HEADS, KV_HEADS, norm_w, norm_w, 1e-6, inv_freq, cache, layers - 1, start, c), reps)
@@ -49,13 +49,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--talker-keys", default="64,160,320")
-    ap.add_argument("--extra", default="", help="more configs, BLOCK_K:num_warps:num_stages,...")
+    ap.add_argument("--extra", default="", help="more configs, BLOCK_K:num_warps:num_stages,... (each with and without the prefetch)")
     ap.add_argument("--out", default=None, help="append the rows to this JSON-lines file")
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     configs = list(kernels.ATTENTION_CONFIGS) + [
-        dict(BLOCK_K=int(k), num_warps=int(w), num_stages=int(s))
-        for k, w, s in (e.split(":") for e in args.extra.split(",") if e)]
+        dict(BLOCK_K=int(k), num_warps=int(w), num_stages=int(s), PREFETCH=p)
+        for k, w, s in (e.split(":") for e in args.extra.split(",") if e) for p in (True, False)]
     for rows in map(int, args.batches.split(",")):
         for keys in map(int, args.talker_keys.split(",")):
             res = time_case(rows, 1, keys, 28, 64, 2048, configs, args.reps)

@@ -68,6 +68,11 @@ def kernel_count(fn) -> int:
     return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def attention_config_name(c: dict) -> str:
+    """k64w4s3 (keys a block, warps, stages), with "-nopf" where it does not prefetch."""
+    return "k{BLOCK_K}w{num_warps}s{num_stages}".format(**c) + ("" if c["PREFETCH"] else "-nopf")
+
+
 def attention_configs(model, runner, batch: int, reps: int) -> dict:
     """Microseconds of one talker layer's `decode_attention` per launch config on the GPU, on the
     runner's cache (the kernel picks its config on a scratch cache of kernels.ATTENTION_TIMING_KEYS
@@ -79,7 +84,7 @@ def attention_configs(model, runner, batch: int, reps: int) -> dict:
     start = runner.length[:batch]
     out = {}
     for config in kernels.ATTENTION_CONFIGS:
-        name = "k{BLOCK_K}w{num_warps}s{num_stages}".format(**config)
+        name = attention_config_name(config)
         try:
             out[name] = 1000 * timed_in_graph(lambda: kernels.decode_attention(
                 qkv, attn.heads, attn.kv_heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
@@ -127,7 +132,7 @@ def breakdown(model, batch: int, prompt: int, reps: int, windows: list[int]) -> 
     logits = torch.randn(batch, model.config.talker.vocab_size, device=dev)
     out["sample_ms"] = timed(lambda: sample_talker(runner.processor, logits, runner.seen[:batch], frame, params), reps)
     picked = [c for k, c in kernels._fastest_config.items() if k[0] == "attention" and k[1] == batch]
-    out["attention_picked"] = ["k{BLOCK_K}w{num_warps}s{num_stages}".format(**c) for c in picked]
+    out["attention_picked"] = [attention_config_name(c) for c in picked]
     out["attention_us"] = attention_configs(model, runner, batch, reps)
     streams = VocoderStreams(model.vocoder, batch)
     idx = torch.arange(batch, device=dev)

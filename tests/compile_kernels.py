@@ -25,8 +25,8 @@ JOBS = []
 def build(fn, types: dict, constants: dict, **options) -> None:
     if "PDL" in fn.arg_names:       # the decode-path kernels: compiled as the GPU launches them (kernels._pdl)
         constants = dict(constants, PDL=True)
-    if "PREFETCH" in fn.arg_names:  # ... with their L2 prefetch before the wait (kernels.PREFETCH)
-        constants = dict(constants, PREFETCH=True)
+    if "PREFETCH" in fn.arg_names:  # ... with their L2 prefetch before the wait unless told (kernels.PREFETCH)
+        constants = dict(dict(PREFETCH=True), **constants)
     signature = {name: ("constexpr" if name in constants else types[name]) for name in fn.arg_names}
 
     def job():
@@ -47,7 +47,8 @@ def main() -> None:
                            k_w_ptr=p, inv_freq_ptr="*fp32", stride_qkv_b="i32", stride_qkv_t="i32",
                            stride_out_b="i32", stride_out_t="i32", stride_table="i32", k_offset="i32",
                            v_offset="i32", capacity="i32", eps="fp32", scale="fp32"),
-                      dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, PAGE=page, BLOCK_K=block_k, IEEE=dtype == "fp32"),
+                      dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, PAGE=page, BLOCK_K=block_k, IEEE=dtype == "fp32",
+                           PREFETCH=c["PREFETCH"]),
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
         # the paged cache's reads and writes (prefill), talker shapes
         build(k._kv_write_kernel, dict(k_ptr=p, v_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64",

@@ -267,6 +267,73 @@ def test_a_config_that_does_not_build_is_passed_over(kernels, monkeypatch, caplo
     assert sum("does not build" in r.message for r in caplog.records) == 3
 
 
+@pytest.fixture
+def timed_on_copies(kernels, monkeypatch):
+    """`_fastest` as on a GPU, with its CUDA-graph timing replaced by one that runs each launch over
+    the copies once and records them; the configs' times come from `times` (config index -> ms)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(kernels, "PARALLEL_COMPILE", False)
+    monkeypatch.setattr(kernels, "_fastest_config", {})
+    monkeypatch.setattr(kernels, "copies_beyond_l2", lambda nbytes, device, most=64: 3)
+    seen = {"launches": [], "times": {}}
+
+    def graph_time(launches, config):
+        for launch in launches:
+            launch(config)
+        seen["launches"].append(launches)
+        return seen["times"].get(len(seen["launches"]) - 1, 10.0)
+    monkeypatch.setattr(kernels, "_graph_time", graph_time)
+    return seen
+
+
+def test_linear_times_its_configs_on_copies_of_its_weights(kernels, timed_on_copies):
+    """On the GPU `linear` times each config as a decode step runs it: over weight copies that together
+    overflow L2 (the same values, their own memory), and keeps the fastest."""
+    g = torch.Generator().manual_seed(8)
+    x, w, nw = torch.randn(1, 96, generator=g), torch.randn(200, 96, generator=g), torch.rand(96, generator=g) + 0.5
+    configs = kernels.linear_configs(1)
+    timed_on_copies["times"] = {2: 1.0}
+    got = kernels.linear(x, w, nw, 1e-6, gated=True)
+    torch.testing.assert_close(got, kernels.silu_mul_reference(F.linear(F.rms_norm(x, (96,), nw, 1e-6), w)),
+                               atol=1e-4, rtol=1e-4)
+    assert len(timed_on_copies["launches"]) == len(configs)
+    copies = [f.keywords["weight"] for f in timed_on_copies["launches"][0][1:]]
+    assert len(copies) == 2 and all(torch.equal(c, w) and c.data_ptr() != w.data_ptr() for c in copies)
+    key = kernels.linear_timing_key(1, 100, 96, x.dtype, True, True, False)
+    assert kernels._fastest_config[key] == configs[2]
+
+
+def test_attention_times_its_configs_on_scratch_layers(kernels, timed_on_copies):
+    """`decode_attention` times its configs over the layers of a scratch cache (never the live one),
+    read one after another as a decode step does, with and without its prefetch."""
+    heads, kv_heads, head_dim, b = 4, 2, 32, 2
+    cache = KVCache(1, b, 40, kv_heads, head_dim, torch.float32, "cpu", page_size=16, reserve_all=True,
+                    separate_pages=True)
+    cache.write(0, torch.randn(b, 40, kv_heads, head_dim), torch.randn(b, 40, kv_heads, head_dim),
+                torch.zeros(b, dtype=torch.long))
+    before = [t.clone() for t in cache.read(0, b, 40)]
+    qkv = torch.randn(b, 1, (heads + 2 * kv_heads) * head_dim)
+    start = torch.tensor([5, 17])
+    timed_on_copies["times"] = {len(kernels.ATTENTION_CONFIGS) - 1: 1.0}
+    w = torch.ones(head_dim)
+    got = kernels.decode_attention(qkv, heads, kv_heads, w, w, 1e-6, rope_inv_freq(head_dim, 1e6), cache, 0, start)
+    expected = kernels.decode_attention(qkv, heads, kv_heads, w, w, 1e-6, rope_inv_freq(head_dim, 1e6), cache, 0,
+                                        start, kernels.ATTENTION_CONFIGS[0])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    launches = timed_on_copies["launches"][0]
+    scratch = launches[0].keywords["cache"]
+    assert scratch is not cache and scratch.num_layers == 3
+    assert [f.keywords["layer"] for f in launches] == [0, 1, 2]
+    assert {c["PREFETCH"] for c in kernels.ATTENTION_CONFIGS} == {True, False}
+    key = ("attention", b, 1, heads, kv_heads, head_dim, qkv.dtype, cache.capacity, cache.page_size)
+    assert kernels._fastest_config[key] == kernels.ATTENTION_CONFIGS[-1]
+    after = cache.read(0, b, 40)      # the live rows changed only at the new positions
+    for a, e in zip(after, before):
+        e[0, 5], e[1, 17] = a[0, 5], a[1, 17]
+        torch.testing.assert_close(a, e, atol=0, rtol=0)
+
+
 def test_candidate_configs_compile_side_by_side(kernels, monkeypatch, caplog):
     """`_fastest` first has every config it will time compiled at once: each launch asked only to
     compile, all inside one Triton async-compile context; where that fails it turns itself off and

@@ -357,18 +357,71 @@ log = logging.getLogger(__name__)
 PARALLEL_COMPILE = os.environ.get("QWEN3_TTS_PARALLEL_COMPILE", "1") != "0"
 
 
-def _fastest(key, configs: list[dict], launch) -> dict:
-    """The fastest launch config of a kernel for `key` (its shapes), timed once on the GPU with
-    `triton.testing.do_bench` (which flushes the L2 cache between runs, as the decode step's weight
-    streaming does); the first config elsewhere and while a CUDA graph is being captured.
-    launch(config, compile_only=False): runs the kernel with that config, or only compiles it."""
+def _fastest(key, configs: list[dict], launch, copies=None) -> dict:
+    """The fastest launch config of a kernel for `key` (its shapes), timed once on the GPU; the first
+    config elsewhere and while a CUDA graph is being captured.
+    launch(config, compile_only=False): runs the kernel with that config, or only compiles it.
+    copies(): launch functions like `launch` over copies of what the kernel streams from memory (its
+    weights, a cache's layers), together more than L2 holds: with them the configs are timed as a CUDA
+    graph replays calls over the copies one after the other (`_graph_time`), as a decode step's graph
+    runs a layer's kernel after the one before, each on data not in L2. Without, each is timed eagerly
+    by `triton.testing.do_bench`, which flushes L2 between runs."""
     best = _fastest_config.get(key)
     if best is None:
         if not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
             return configs[0]
         _compile_candidates(configs, launch)
-        best = _fastest_config[key] = min(configs, key=lambda c: _time(launch, c))
+        if copies is None:
+            time = lambda c: triton.testing.do_bench(lambda: launch(c), warmup=2, rep=10)  # noqa: E731
+        else:
+            launches = copies()
+            time = lambda c: _graph_time(launches, c)  # noqa: E731
+        best = _fastest_config[key] = min(configs, key=lambda c: _time(time, c))
     return best
+
+
+def copies_beyond_l2(nbytes: int, device: torch.device, most: int = 64) -> int:
+    """How many copies of `nbytes` of data together hold twice the GPU's L2 (at least 1, at most `most`)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return max(1, min(most, -(-2 * l2 // nbytes)))
+
+
+GRAPH_TIMING_CALLS = 64      # calls a timing graph replays (cycling the copies): a replay of ~0.3 ms
+
+
+def _graph_time(launches: list, config: dict, replays: int = 7) -> float:
+    """Milliseconds a call takes as a CUDA graph replays GRAPH_TIMING_CALLS calls of `launches`' in
+    turn with `config` (the median of `replays`). Dependent launches overlap each call with the one
+    before, as in a decode step; launched from Python instead, calls of a few microseconds would be
+    timed at the host's pace. Captured on a stream of the timing's own, errors local to this thread."""
+    calls = [functools.partial(f, config) for f in launches] * -(-GRAPH_TIMING_CALLS // len(launches))
+    for call in calls[:len(launches)]:      # compiles, and a config that does not build fails here
+        call()
+    stream = _timing_stream(torch.cuda.current_device())
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for call in calls:
+                call()
+        finally:
+            graph.capture_end()
+        graph.replay()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+        for start, end in events:
+            start.record()
+            graph.replay()
+            end.record()
+    torch.cuda.current_stream().wait_stream(stream)
+    stream.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return times[len(times) // 2] / len(calls)
+
+
+@functools.cache
+def _timing_stream(device: int) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(device)
 
 
 @functools.cache
@@ -403,12 +456,12 @@ def _launch(kernel, grid: tuple, args: tuple, options: dict, compile_only: bool 
         kernel[grid](*args, **options)
 
 
-def _time(launch, config) -> float:
-    """Milliseconds of one launch with `config`; infinite for a config this GPU cannot build (too much
-    shared memory, or a compile or ptxas failure on an architecture the configs were not tested on):
-    the others are timed and the warm-up goes on."""
+def _time(time, config) -> float:
+    """time(config): milliseconds of a launch with `config`; infinite for a config this GPU cannot
+    build (too much shared memory, or a compile or ptxas failure on an architecture the configs were
+    not tested on): the others are timed and the warm-up goes on."""
     try:
-        return triton.testing.do_bench(lambda: launch(config), warmup=2, rep=10)
+        return time(config)
     except (triton.runtime.errors.OutOfResources, triton.runtime.errors.PTXASError,
             triton.compiler.errors.CompilationError) as e:
         log.warning("kernel config %s does not build on this GPU (%s); timing the others", config, type(e).__name__)
@@ -642,7 +695,8 @@ _DOT_CONFIGS = [dict(kernel="dot", BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages
                 ((16, 256, 4, 4), (16, 128, 4, 4), (16, 512, 4, 3), (16, 256, 2, 4), (32, 256, 4, 4),
                  (16, 128, 2, 6), (32, 128, 4, 4), (16, 64, 2, 8))]
 _GEMV_CONFIGS = [dict(kernel="gemv", BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=st) for n, k, w, st in
-                 ((8, 256, 4, 4), (4, 512, 4, 4), (2, 1024, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (4, 256, 2, 6))]
+                 ((8, 256, 4, 4), (4, 512, 4, 4), (2, 1024, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (4, 256, 2, 6),
+                  (8, 1024, 8, 2), (2, 2048, 8, 2))]
 
 
 def linear_configs(rows: int) -> list[dict]:
@@ -677,10 +731,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
     x2 = x2.contiguous()
     r2 = None if r2 is None else r2.contiguous()
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    launch = lambda c, compile_only=False: skinny_linear(x2, weight, y, c, norm_weight, eps, gated, r2,  # noqa: E731
-                                                         compile_only)
+
+    def launch(c, compile_only=False, weight=weight):
+        skinny_linear(x2, weight, y, c, norm_weight, eps, gated, r2, compile_only)
+
+    def copies():       # weights a decode step streams from memory, one layer after another
+        count = copies_beyond_l2(weight.numel() * weight.element_size(), weight.device)
+        return [launch] + [functools.partial(launch, weight=weight.clone()) for _ in range(count - 1)]
+
     key = linear_timing_key(rows, n, k, x.dtype, norm_weight is not None, gated, r2 is not None)
-    launch(_fastest(key, linear_configs(rows), launch))
+    launch(_fastest(key, linear_configs(rows), launch, copies))
     return y.view(*x.shape[:-1], n)
 
 
@@ -831,9 +891,12 @@ def decode_attention_supports(head_dim: int) -> bool:
     return head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
-ATTENTION_CONFIGS = [dict(BLOCK_K=k, num_warps=w, num_stages=st) for k, w, st in    # `decode_attention`
-                     ((64, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 3), (32, 2, 3), (128, 4, 3), (128, 8, 3),
-                      (128, 8, 2))]                                                  # times these
+# The configs `decode_attention` times: keys a block, launch options, and whether it asks L2 for the
+# older keys and values before its wait (with few rows, a program's chain of page-table loads for
+# that can outlast the kernel before it)
+ATTENTION_CONFIGS = [dict(BLOCK_K=k, num_warps=w, num_stages=st, PREFETCH=p) for p in (True, False)
+                     for k, w, st in ((64, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 3), (32, 2, 3), (128, 4, 3),
+                                      (128, 8, 3), (128, 8, 2))]
 ATTENTION_TIMING_KEYS = 256      # live keys per row on the scratch cache the configs are timed on
 
 
@@ -848,9 +911,10 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     rotated (RoPE from the positions and inv_freq, fp32), the new K/V are written to the cache, and
     each query attends causally over keys 0 .. its own position. Reads exactly the row's live keys:
     no mask, no kv bucket.
-    config: keys per block and launch options; by default the fastest of ATTENTION_CONFIGS for these
-    shapes, timed once on the GPU on a scratch cache of ATTENTION_TIMING_KEYS keys a row (the live
-    lengths at warm-up say nothing of the load, and timing must not write into live rows).
+    config: one of ATTENTION_CONFIGS; by default the fastest for these shapes, timed once on the GPU on
+    a scratch cache of ATTENTION_TIMING_KEYS keys a row (the live lengths at warm-up say nothing of
+    the load, and timing must not write into live rows) with as many layers as overflow L2, read one
+    after another as a decode step does.
     """
     b, t, width = qkv.shape
     head_dim, page = cache.head_dim, cache.page_size
@@ -871,17 +935,26 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
                 dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
                      M=max(16, triton.next_power_of_2(t * heads // kv_heads)), PAGE=cache.page_size,
                      BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"],
-                     num_stages=c["num_stages"], **_pdl(qkv, prefetch=True)), compile_only)
+                     num_stages=c["num_stages"], **_pdl(qkv, prefetch=c["PREFETCH"])), compile_only)
 
-    scratch = functools.cache(lambda: _timing_cache(cache, 1, b, t, start))
+    @functools.cache
+    def scratch():
+        keys = min(ATTENTION_TIMING_KEYS, cache.capacity)
+        layer_bytes = b * keys * 2 * kv_heads * head_dim * qkv.element_size()
+        return _timing_cache(cache, copies_beyond_l2(layer_bytes, qkv.device), b, t, start)
 
     def launch_on_scratch(c, compile_only=False):
         scratch_cache, scratch_start = scratch()
         launch(c, scratch_cache, 0, scratch_start, compile_only=compile_only)
 
+    def scratch_layers():
+        scratch_cache, scratch_start = scratch()
+        return [functools.partial(launch, cache=scratch_cache, layer=i, start=scratch_start)
+                for i in range(scratch_cache.num_layers)]
+
     if config is None:
         key = ("attention", b, t, heads, kv_heads, head_dim, qkv.dtype, cache.capacity, cache.page_size)
-        config = _fastest(key, ATTENTION_CONFIGS, launch_on_scratch)
+        config = _fastest(key, ATTENTION_CONFIGS, launch_on_scratch, scratch_layers)
     launch(config)
     return out
 
