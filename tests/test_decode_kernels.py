@@ -162,22 +162,27 @@ def test_fused_decode_samples_the_same_frames(tiny_model_dir, fused_model):
     torch.testing.assert_close(frames[1], frames[0], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("radix_bits", [2, 4])
+@pytest.mark.parametrize("radix_bits", [4, 8])
 def test_sample_rows_matches_plain_sampling(kernels, monkeypatch, radix_bits):
-    """Greedy rows, temperatures, top-k of 0 (off), 1, 50 and past the vocab, suppressed (-inf) ids
-    and tied logits: the same ids as `sample` without top-p, with each top-k search the GPU may pick."""
+    """Greedy rows, temperatures, top-k of 0 (off), 1, 50 and past the vocab, suppressed (-inf) ids,
+    tied logits, and logits that share their high bits (the k-th largest told apart only in the
+    last digits, either sign): the same ids as `sample` without top-p, with each top-k search the GPU
+    may pick."""
     configs = [c for c in kernels.SAMPLE_CONFIGS if c["RADIX_BITS"] == radix_bits]
     assert configs
     monkeypatch.setattr(kernels, "SAMPLE_CONFIGS", configs)        # the CPU takes the first
     from engine.sampling import gumbel_noise, sample
     g = torch.Generator().manual_seed(6)
-    b = 5
+    b = 7
     logits = torch.randn(b, 3072, generator=g) * 3
     logits[:, -1024:] = float("-inf")
     logits[3, :100] = 2.5                                 # a tie across the top-k boundary
-    greedy = torch.tensor([True, False, False, False, False])
-    temperature = torch.tensor([1.0, 0.5, 2.0, 0.9, 1.3])
-    top_k = torch.tensor([50, 0, 1, 50, 5000])
+    ulps = torch.randperm(2048, generator=g)
+    logits[5, :2048] = 1.5 + ulps * 2.0 ** -22             # 2048 fp32 values 2 ulps apart
+    logits[6, :2048] = -1.5 - ulps * 2.0 ** -22
+    greedy = torch.tensor([True, False, False, False, False, False, False])
+    temperature = torch.tensor([1.0, 0.5, 2.0, 0.9, 1.3, 1.0, 1.0])
+    top_k = torch.tensor([50, 0, 1, 50, 5000, 50, 7])
     seed, frame, no_top_p = torch.arange(b) + 100, torch.arange(b), torch.ones(b, dtype=torch.float64)
     seed[0] = (1 << 63) - 1                               # the hash's full 64-bit range
     for v, codebook in ((3072, 0), (2048, 5), (2048, 15)):
