@@ -3,7 +3,8 @@
 the weights, more than L2 holds, as a decode step streams its layers') and in a chain of layers
 (qkv -> output -> gate/up -> down, one weight copy a layer, dependent launches as served), also with
 the weights' L2 prefetch on and off and without dependent launches. Beside them: cuBLAS, and the config
-`linear`'s own timing picks (`triton.testing.do_bench`, eager).
+`linear`'s own timing picks at warm-up (since 17a5e2f also in a CUDA graph over weight copies; before,
+eagerly by `triton.testing.do_bench`).
 
     python -m bench.skinny_gemms --rows 1,8 [--extra gemv:8:1024:8:2,dot:32:512:8:3]
 """

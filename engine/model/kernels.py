@@ -390,8 +390,8 @@ GRAPH_TIMING_CALLS = 64      # calls a timing graph replays (cycling the copies)
 
 
 def _graph_time(launches: list, config: dict, replays: int = 7) -> float:
-    """Milliseconds a call takes as a CUDA graph replays GRAPH_TIMING_CALLS calls of `launches`' in
-    turn with `config` (the median of `replays`). Dependent launches overlap each call with the one
+    """Milliseconds a call takes as a CUDA graph replays GRAPH_TIMING_CALLS calls with `config`, the
+    functions of `launches` in turn (the median of `replays`). Dependent launches overlap each call with the one
     before, as in a decode step; launched from Python instead, calls of a few microseconds would be
     timed at the host's pace. Captured on a stream of the timing's own, errors local to this thread."""
     calls = [functools.partial(f, config) for f in launches] * -(-GRAPH_TIMING_CALLS // len(launches))
