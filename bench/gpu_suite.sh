@@ -118,6 +118,11 @@ if has skinny; then
     --out "$R" > "$OUTD/skinny.log" 2>&1
   echo "skinny gemms rc=$? at $((SECONDS-t0)) s"
 fi
+# the sampling kernel in each config, 1 to 256 rows (SAMPLE_ROWS), timed in CUDA graphs
+if has sample; then
+  timeout 200 python3 -m bench.sample_kernel --rows ${SAMPLE_ROWS:-1,16,256} --out "$R" > "$OUTD/sample.log" 2>&1
+  echo "sample kernel rc=$? at $((SECONDS-t0)) s"
+fi
 if has attention; then
   timeout 300 python3 -m bench.attention_configs --out "$R" > "$OUTD/attention.log" 2>&1
   echo "attention configs rc=$? at $((SECONDS-t0)) s"

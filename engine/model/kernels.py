@@ -1264,11 +1264,12 @@ SAMPLE_CONFIGS = [dict(num_warps=w, RADIX_BITS=r) for r in (8, 4) for w in (4, 8
 
 
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                seed: torch.Tensor, frame: torch.Tensor, codebook: int) -> torch.Tensor:
+                seed: torch.Tensor, frame: torch.Tensor, codebook: int, config: dict | None = None) -> torch.Tensor:
     """`engine.sampling.sample` without top-p in one kernel: ids [B] of logits [B, V] (fp32, or bf16
     made fp32 as it is loaded: no cast kernel before it). The Gumbel noise of (seed, frame, codebook)
     is hashed in the kernel: as a [B, V] float64 tensor made by ~20 elementwise kernels a codebook, it
-    cost 8-12% of a decode step on an H200 (bench/README.md)."""
+    cost 8-12% of a decode step on an H200 (bench/README.md). config: one of SAMPLE_CONFIGS; by
+    default the fastest for these shapes, timed once on the GPU."""
     b, v = logits.shape
     logits = logits.contiguous()
     out = torch.empty(b, dtype=torch.long, device=logits.device)
@@ -1280,5 +1281,5 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.T
                      **_pdl(logits)), compile_only)
     # timed per power-of-two class of rows: one row is latency-bound, 256 fill the GPU (the graphs'
     # batch buckets meet every class at warm-up, before any eager call can)
-    launch(_fastest(("sample_rows", v, b.bit_length()), SAMPLE_CONFIGS, launch))
+    launch(config or _fastest(("sample_rows", v, b.bit_length()), SAMPLE_CONFIGS, launch))
     return out
