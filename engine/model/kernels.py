@@ -76,11 +76,12 @@ if triton is not None:
 
 # Programmatic dependent launch of the decode path's kernels (see above); QWEN3_TTS_PDL=0 turns it off.
 PDL = os.environ.get("QWEN3_TTS_PDL", "1") != "0"
-# With PDL, `linear` and `decode_attention` ask L2 for their weights / older keys and values before they
-# wait (see `_prefetch_rows_l2`); QWEN3_TTS_PREFETCH=0: they do not.
+# With PDL, `linear` and `decode_attention` may ask L2 for their weights / older keys and values before
+# they wait (see `_prefetch_rows_l2`); QWEN3_TTS_PREFETCH=0: they never do.
 PREFETCH = os.environ.get("QWEN3_TTS_PREFETCH", "1") != "0"
-# ... but `linear`'s own weights only with QWEN3_TTS_LINEAR_PREFETCH=1: one stream on an H100 ran 12%
-# faster without them (19.6x -> 22.0x, call BK-BL, bench/README.md; it was +3% in call AJ).
+# `linear` asks for its weights only with QWEN3_TTS_LINEAR_PREFETCH=1: one stream on an H100 ran 12%
+# faster without (19.6x -> 22.0x, call BK-BL, bench/README.md; it was +3% in call AJ); `decode_attention`
+# where its timing picks it (ATTENTION_CONFIGS).
 LINEAR_PREFETCH = os.environ.get("QWEN3_TTS_LINEAR_PREFETCH", "0") == "1"
 
 
@@ -391,9 +392,10 @@ GRAPH_TIMING_CALLS = 64      # calls a timing graph replays (cycling the copies)
 
 def _graph_time(launches: list, config: dict, replays: int = 7) -> float:
     """Milliseconds a call takes as a CUDA graph replays GRAPH_TIMING_CALLS calls with `config`, the
-    functions of `launches` in turn (the median of `replays`). Dependent launches overlap each call with the one
-    before, as in a decode step; launched from Python instead, calls of a few microseconds would be
-    timed at the host's pace. Captured on a stream of the timing's own, errors local to this thread."""
+    functions of `launches` in turn (the median of `replays`). Dependent launches overlap each call
+    with the one before, as in a decode step; launched from Python instead, calls of a few
+    microseconds would be timed at the host's pace. Captured on a stream of the timing's own, errors
+    local to this thread."""
     calls = [functools.partial(f, config) for f in launches] * -(-GRAPH_TIMING_CALLS // len(launches))
     for call in calls[:len(launches)]:      # compiles, and a config that does not build fails here
         call()
@@ -892,8 +894,8 @@ def decode_attention_supports(head_dim: int) -> bool:
 
 
 # The configs `decode_attention` times: keys a block, launch options, and whether it asks L2 for the
-# older keys and values before its wait (with few rows, a program's chain of page-table loads for
-# that can outlast the kernel before it)
+# older keys and values before its wait (on an H100 the timing kept that for the talker up to 8 rows
+# and dropped it from 12 up, call BP)
 ATTENTION_CONFIGS = [dict(BLOCK_K=k, num_warps=w, num_stages=st, PREFETCH=p) for p in (True, False)
                      for k, w, st in ((64, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 3), (32, 2, 3), (128, 4, 3),
                                       (128, 8, 3), (128, 8, 2))]
@@ -939,8 +941,7 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
 
     @functools.cache
     def scratch():
-        keys = min(ATTENTION_TIMING_KEYS, cache.capacity)
-        layer_bytes = b * keys * 2 * kv_heads * head_dim * qkv.element_size()
+        layer_bytes = b * _timing_keys(cache) * 2 * kv_heads * head_dim * qkv.element_size()
         return _timing_cache(cache, copies_beyond_l2(layer_bytes, qkv.device), b, t, start)
 
     def launch_on_scratch(c, compile_only=False):
@@ -959,12 +960,17 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     return out
 
 
+def _timing_keys(cache) -> int:
+    """Live keys a row of `_timing_cache` holds."""
+    return min(ATTENTION_TIMING_KEYS, cache.capacity)
+
+
 def _timing_cache(cache, layers: int, rows: int, t: int, start: torch.Tensor):
     """A scratch cache like `cache` (`layers` layers, `rows` slots of ATTENTION_TIMING_KEYS keys, every
     page its own) and the start of rows whose T new positions end it: what a kernel that writes into
     the cache is timed on (the live lengths at warm-up say nothing of the load, and timing must not
     write into live rows)."""
-    keys = min(ATTENTION_TIMING_KEYS, cache.capacity)
+    keys = _timing_keys(cache)
     scratch = type(cache)(layers, rows, keys, cache.kv_heads, cache.head_dim, cache.anchor.dtype, cache.anchor.device,
                           cache.page_size, reserve_all=True, separate_pages=cache.separate_pages)
     return scratch, torch.full((rows,), max(0, keys - t), dtype=start.dtype, device=start.device)
