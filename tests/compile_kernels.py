@@ -64,15 +64,24 @@ def main() -> None:
             build(k._embedding_sum_kernel, dict(ids_ptr="*i64", anchor_ptr=p, offsets_ptr="*i64", plus_ptr=p,
                                                 y_ptr=p, N="i32"), dict(G=16, HAS_PLUS=plus, BLOCK=1024))
         build(k._silu_mul_kernel, dict(x_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
-        # every config `linear` may time and pick, with each epilogue the decode layers use (bf16);
-        # the first config of each in fp32 (the CPU tests' dtype)
-        for norm, gated, residual in ((True, False, False), (True, True, False), (False, False, True)):
-            for c in k.linear_configs(1)[:None if dtype == "bf16" else 1]:
-                dot = c["kernel"] == "dot"
+        # every config `linear` may time and pick for one row of each decode-layer GEMM of the 0.6B model
+        # (its inputs, epilogue), in bf16 (the configs that stream their weights once: they are the same
+        # whatever K); the first config of each in fp32 (the CPU tests' dtype)
+        streamed = set()
+        for kk, norm, gated, residual in ((1024, True, False, False), (1024, True, True, False),
+                                          (2048, False, False, True), (3072, False, False, True)):
+            configs = k.linear_configs(1, kk, gated, 2 if dtype == "bf16" else 4)
+            for c in configs[:None if dtype == "bf16" else 1]:
+                dot, preload = c["kernel"] == "dot", c.get("PRELOAD", False)
+                epilogue = (norm, gated, residual)
+                if not preload and (epilogue, str(c)) in streamed:
+                    continue
+                streamed.add((epilogue, str(c)))
                 build(k._skinny_linear_kernel,
                       dict(x_ptr=p, w_ptr=p, y_ptr=p, r_ptr=p, norm_w_ptr=p, M="i32", N="i32", K="i32", eps="fp32"),
-                      dict(BLOCK_M=16 if dot else k.GEMV_ROWS, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], DOT=dot,
-                           IEEE=dtype == "fp32", NORM=norm, GATED=gated, RESIDUAL=residual),
+                      dict(BLOCK_M=16 if dot else k.GEMV_ROWS, BLOCK_N=c["BLOCK_N"],
+                           BLOCK_K=1 << (kk - 1).bit_length() if preload else c["BLOCK_K"], DOT=dot,
+                           IEEE=dtype == "fp32", NORM=norm, GATED=gated, RESIDUAL=residual, PRELOAD=preload),
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
         # the vocoder's kernels over tensors of either layout: the stride of 1 (samples adjacent, or
         # channels: the CUDA layout) specialized, as Triton specializes it at launch

@@ -238,9 +238,11 @@ def test_skinny_linear_matches_the_separate_ops(kernels, rows, epilogue):
     expected = kernels.silu_mul_reference(expected) if gated else expected + r if residual else expected
     args = (nw if norm else None, 1e-6, gated, residual_)
     torch.testing.assert_close(kernels.linear(x[:, None], w, *args), expected[:, None], atol=1e-4, rtol=1e-4)
-    configs = kernels.linear_configs(rows) if rows <= kernels.SKINNY_ROWS else []
+    configs = kernels.linear_configs(rows, 96, gated, 4) if rows <= kernels.SKINNY_ROWS else []
+    assert any(c.get("PRELOAD") for c in configs) == (rows <= kernels.SKINNY_ROWS)
     if not gated:
-        configs = [c for i, c in enumerate(configs) if i == 0 or c["kernel"] != configs[i - 1]["kernel"]]
+        kind = [(c["kernel"], c.get("PRELOAD", False)) for c in configs]
+        configs = [c for i, c in enumerate(configs) if i == 0 or kind[i] != kind[i - 1]]
     for config in configs:
         out = torch.full((rows, n), float("nan"))
         kernels.skinny_linear(x, w, out, config, *args)
@@ -295,7 +297,7 @@ def test_linear_times_its_configs_on_copies_of_its_weights(kernels, timed_on_cop
     overflow L2 (the same values, their own memory), and keeps the fastest."""
     g = torch.Generator().manual_seed(8)
     x, w, nw = torch.randn(1, 96, generator=g), torch.randn(200, 96, generator=g), torch.rand(96, generator=g) + 0.5
-    configs = kernels.linear_configs(1)
+    configs = kernels.linear_configs(1, 96, True, 4)
     timed_on_copies["times"] = {2: 1.0}
     got = kernels.linear(x, w, nw, 1e-6, gated=True)
     torch.testing.assert_close(got, kernels.silu_mul_reference(F.linear(F.rms_norm(x, (96,), nw, 1e-6), w)),

@@ -28,7 +28,9 @@
   from end to end: its layers, output head, sampling and the next token's `embedding`. The weights a
   `linear` streams do not depend on the kernel before it, nor do the keys and values `decode_attention`
   reads from earlier steps, so each asks L2 for them before it waits: their read from memory overlaps
-  the kernel before instead of following it.
+  the kernel before instead of following it. A `linear` config may go further (`PRELOAD`): a narrow
+  column block loads its whole weight rows into registers before the wait, so that after it only x is
+  read; the timing at warm-up decides per shape.
 - `stack_decode` (opt-in, `QWEN3_TTS_PERSISTENT=1`) runs a stack's whole decode forward up to 16 rows
   as one persistent launch: the same GEMM and attention code dealt out over one program an SM, a grid
   barrier between a layer's steps. It computes what the layer kernels compute but was not faster on
@@ -633,40 +635,22 @@ if triton is not None:
             _prefetch_rows_l2(w_ptr + (N + col0) * K, N - col0, K, K, BLOCK_N, BLOCK_K)
 
     @triton.jit
-    def _linear_block(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
-                      GATED: tl.constexpr, RESIDUAL: tl.constexpr):
-        """The BLOCK_N-wide column block at col0 of y [M, N] = x [M, K] @ w.T for all (<= BLOCK_M) rows,
-        streaming its weight rows once. NORM: x is RMS-normed first (x's rows, a few KB, are read for
-        the statistics). GATED: w is [gate; up] (2N rows) and y = silu(x gate.T) * (x up.T). RESIDUAL:
-        y += r. Every intermediate is rounded to the activation dtype where the separate ops round."""
-        dtype = y_ptr.dtype.element_ty
-        cols = col0 + tl.arange(0, BLOCK_N)      # output features (weight rows)
-        rows = tl.arange(0, BLOCK_M)
-        kk = tl.arange(0, BLOCK_K)
-        x_rows = x_ptr + rows[:, None] * K
-        w_rows = w_ptr + cols[:, None] * K
+    def _normed(x, norm_w_ptr, inv, k, K, NORM: tl.constexpr):
+        """x's columns k RMS-normed by the rows' statistics `inv` and the norm's weights (NORM), in the
+        activation dtype as the separate ops round it; else x as it is."""
         if NORM:
-            ss = tl.zeros([BLOCK_M], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + kk
-                x = tl.load(x_rows + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
-                ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
-            inv = tl.rsqrt(ss / K + eps)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if GATED:
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + kk
-            x = tl.load(x_rows + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
-            if NORM:
-                nw = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-                x = (x.to(tl.float32) * inv[:, None] * nw[None, :]).to(dtype)
-            w_mask = (cols[:, None] < N) & (k[None, :] < K)
-            acc = _mac(acc, x, tl.load(w_rows + k[None, :], mask=w_mask, other=0.0), DOT, IEEE)
-            if GATED:
-                acc_up = _mac(acc_up, x, tl.load(w_rows + N * K + k[None, :], mask=w_mask, other=0.0), DOT, IEEE)
+            nw = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) * inv[:, None] * nw[None, :]).to(x.dtype)
+        return x
+
+    @triton.jit
+    def _linear_store(acc, acc_up, y_ptr, r_ptr, M, N, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+        """A column block's epilogue: the SwiGLU gate (GATED: acc holds gate, acc_up up) or the residual
+        add (RESIDUAL), each intermediate rounded to the activation dtype, then the store to y."""
+        dtype = y_ptr.dtype.element_ty
+        cols = col0 + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, BLOCK_M)
         y = acc.to(dtype)
         if GATED:
             y = _silu_mul(y, acc_up.to(dtype), dtype)
@@ -677,18 +661,76 @@ if triton is not None:
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
 
     @triton.jit
+    def _linear_block(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
+                      GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+        """The BLOCK_N-wide column block at col0 of y [M, N] = x [M, K] @ w.T for all (<= BLOCK_M) rows,
+        streaming its weight rows once. NORM: x is RMS-normed first (x's rows, a few KB, are read for
+        the statistics). GATED: w is [gate; up] (2N rows) and y = silu(x gate.T) * (x up.T). RESIDUAL:
+        y += r. Every intermediate is rounded to the activation dtype where the separate ops round."""
+        cols = col0 + tl.arange(0, BLOCK_N)      # output features (weight rows)
+        rows = tl.arange(0, BLOCK_M)
+        kk = tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + rows[:, None] * K
+        w_rows = w_ptr + cols[:, None] * K
+        inv = tl.zeros([BLOCK_M], tl.float32)
+        if NORM:
+            ss = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + kk
+                x = tl.load(x_rows + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+                ss += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
+            inv = tl.rsqrt(ss / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            x = tl.load(x_rows + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+            x = _normed(x, norm_w_ptr, inv, k, K, NORM)
+            w_mask = (cols[:, None] < N) & (k[None, :] < K)
+            acc = _mac(acc, x, tl.load(w_rows + k[None, :], mask=w_mask, other=0.0), DOT, IEEE)
+            if GATED:
+                acc_up = _mac(acc_up, x, tl.load(w_rows + N * K + k[None, :], mask=w_mask, other=0.0), DOT, IEEE)
+        _linear_store(acc, acc_up, y_ptr, r_ptr, M, N, col0, BLOCK_M, BLOCK_N, GATED, RESIDUAL)
+
+    @triton.jit
     def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
                               GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                              PREFETCH: tl.constexpr):
-        """`_linear_block` of one program's column block, its weights asked of L2 before the wait."""
+                              PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
+        """`_linear_block` of one program's column block, its weights asked of L2 before the wait; or
+        (PRELOAD, BLOCK_K >= K) the block's whole weight rows loaded into registers before the wait,
+        so that after it only x is read: the weights' read overlaps the kernel before."""
         col0 = tl.program_id(0) * BLOCK_N
-        if PREFETCH:
-            _prefetch_weights_l2(w_ptr, col0, N, K, BLOCK_N, BLOCK_K, GATED)
-        _dependent_launch_start(PDL)
-        _linear_block(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
-                      BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL)
+        if PRELOAD:
+            cols = col0 + tl.arange(0, BLOCK_N)
+            rows = tl.arange(0, BLOCK_M)
+            k = tl.arange(0, BLOCK_K)
+            w_at = w_ptr + cols[:, None] * K + k[None, :]
+            w_mask = (cols[:, None] < N) & (k[None, :] < K)
+            w = tl.load(w_at, mask=w_mask, other=0.0)
+            w_up = w
+            if GATED:
+                w_up = tl.load(w_at + N * K, mask=w_mask, other=0.0)
+            _dependent_launch_start(PDL)
+            x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+            inv = tl.zeros([BLOCK_M], tl.float32)
+            if NORM:
+                inv = tl.rsqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), 1) / K + eps)
+            x = _normed(x, norm_w_ptr, inv, k, K, NORM)
+            acc = _mac(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w, DOT, IEEE)
+            acc_up = acc
+            if GATED:
+                acc_up = _mac(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w_up, DOT, IEEE)
+            _linear_store(acc, acc_up, y_ptr, r_ptr, M, N, col0, BLOCK_M, BLOCK_N, GATED, RESIDUAL)
+        else:
+            if PREFETCH:
+                _prefetch_weights_l2(w_ptr, col0, N, K, BLOCK_N, BLOCK_K, GATED)
+            _dependent_launch_start(PDL)
+            _linear_block(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
+                          BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL)
 
 
 SKINNY_ROWS = 16        # up to this many rows `linear` takes the skinny kernel
@@ -701,9 +743,28 @@ _GEMV_CONFIGS = [dict(kernel="gemv", BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stag
                   (8, 1024, 8, 2), (2, 2048, 8, 2))]
 
 
-def linear_configs(rows: int) -> list[dict]:
-    """The launch configs `linear` times for this many rows (the first is taken untimed)."""
-    return _DOT_CONFIGS + (_GEMV_CONFIGS if rows <= GEMV_ROWS else [])
+# Configs that load a column block's whole weight rows into registers before the wait (`PRELOAD`): one
+# program a few columns wide, no K loop (BLOCK_K = K rounded up to a power of two). Candidates where
+# the block's weight rows and x's rows fit PRELOAD_THREAD_BYTES a thread: beyond, ptxas spills (sm_90,
+# the 0.6B model's shapes). QWEN3_TTS_PRELOAD=0 leaves them out.
+PRELOAD = os.environ.get("QWEN3_TTS_PRELOAD", "1") != "0"
+PRELOAD_THREAD_BYTES = 320
+_PRELOAD_CONFIGS = [dict(kernel=kind, BLOCK_N=n, num_warps=w, num_stages=1, PRELOAD=True) for kind, n, w in
+                    (("gemv", 4, 4), ("gemv", 4, 8), ("gemv", 8, 4), ("gemv", 8, 8), ("gemv", 16, 8), ("gemv", 32, 8),
+                     ("gemv", 16, 16), ("dot", 16, 8))]
+
+
+def linear_configs(rows: int, k: int, gated: bool = False, element_size: int = 2) -> list[dict]:
+    """The launch configs `linear` times for this many rows of K inputs (the first is taken untimed)."""
+    gemv = rows <= GEMV_ROWS
+    configs = _DOT_CONFIGS + (_GEMV_CONFIGS if gemv else [])
+    if PRELOAD:
+        row_bytes = (1 << (k - 1).bit_length()) * element_size
+        configs = configs + [
+            c for c in _PRELOAD_CONFIGS if (gemv or c["kernel"] == "dot")
+            and ((16 if c["kernel"] == "dot" else GEMV_ROWS) + c["BLOCK_N"] * (2 if gated else 1)) * row_bytes
+            <= PRELOAD_THREAD_BYTES * 32 * c["num_warps"]]
+    return configs
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
@@ -742,7 +803,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
         return [launch] + [functools.partial(launch, weight=weight.clone()) for _ in range(count - 1)]
 
     key = linear_timing_key(rows, n, k, x.dtype, norm_weight is not None, gated, r2 is not None)
-    launch(_fastest(key, linear_configs(rows), launch, copies))
+    launch(_fastest(key, linear_configs(rows, k, gated, weight.element_size()), launch, copies))
     return y.view(*x.shape[:-1], n)
 
 
@@ -756,16 +817,18 @@ def linear_timing_key(rows: int, n: int, k: int, dtype: torch.dtype, norm: bool,
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: dict,
                   norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
                   residual: torch.Tensor | None = None, compile_only: bool = False) -> None:
-    """out [M, N] = `linear`(x [M, K], weight) with one launch config of `linear_configs(M)`."""
+    """out [M, N] = `linear`(x [M, K], weight) with one launch config of `linear_configs(M, K)`."""
     (m, k), n = x.shape, out.shape[1]
     dot = config["kernel"] == "dot"
+    preload = config.get("PRELOAD", False)
     _launch(_skinny_linear_kernel, (triton.cdiv(n, config["BLOCK_N"]),),
             (x, weight, out, x if residual is None else residual, x if norm_weight is None else norm_weight,
              m, n, k, eps),
-            dict(BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], DOT=dot,
+            dict(BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"],
+                 BLOCK_K=triton.next_power_of_2(k) if preload else config["BLOCK_K"], DOT=dot,
                  IEEE=x.dtype == torch.float32, NORM=norm_weight is not None, GATED=gated,
-                 RESIDUAL=residual is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
-                 **_pdl(x, prefetch=LINEAR_PREFETCH)), compile_only)
+                 RESIDUAL=residual is not None, PRELOAD=preload, num_warps=config["num_warps"],
+                 num_stages=config["num_stages"], **_pdl(x, prefetch=LINEAR_PREFETCH and not preload)), compile_only)
 
 
 if triton is not None:
