@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     configs = list(kernels.ATTENTION_CONFIGS) + [
-        dict(BLOCK_K=int(k), num_warps=int(w), num_stages=int(s), PREFETCH=p)
+        dict(BLOCK_K=int(k), num_warps=int(w), num_stages=int(s), PREFETCH=p, SPLIT=1)
         for k, w, s in (e.split(":") for e in args.extra.split(",") if e) for p in (True, False)]
     for rows in map(int, args.batches.split(",")):
         for keys in map(int, args.talker_keys.split(",")):

@@ -69,8 +69,10 @@ def kernel_count(fn) -> int:
 
 
 def attention_config_name(c: dict) -> str:
-    """k64w4s3 (keys a block, warps, stages), with "-nopf" where it does not prefetch."""
-    return "k{BLOCK_K}w{num_warps}s{num_stages}".format(**c) + ("" if c["PREFETCH"] else "-nopf")
+    """k64w4s3 (keys a block, warps, stages), with "-nopf" where it does not prefetch and "-split4"
+    where four programs share a row's keys."""
+    return ("k{BLOCK_K}w{num_warps}s{num_stages}".format(**c) + ("" if c["PREFETCH"] else "-nopf")
+            + (f"-split{c['SPLIT']}" if c.get("SPLIT", 1) > 1 else ""))
 
 
 def attention_configs(model, runner, batch: int, reps: int) -> dict:

@@ -41,14 +41,15 @@ def main() -> None:
         # every config `decode_attention` may time and pick, for the talker (bf16); the first in fp32,
         # and the code predictor's short caches
         for c in k.ATTENTION_CONFIGS[:None if dtype == "bf16" else 1]:
+            split = c["SPLIT"] > 1          # keys cut over programs (`_split_attention_kernel`)
             for t, block_k, page in ((1, c["BLOCK_K"], 64), (2, 16, 16)):
-                build(k._decode_attention_kernel,
-                      dict(qkv_ptr=p, out_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64", q_w_ptr=p,
-                           k_w_ptr=p, inv_freq_ptr="*fp32", stride_qkv_b="i32", stride_qkv_t="i32",
-                           stride_out_b="i32", stride_out_t="i32", stride_table="i32", k_offset="i32",
-                           v_offset="i32", capacity="i32", eps="fp32", scale="fp32"),
+                build(k._split_attention_kernel if split else k._decode_attention_kernel,
+                      dict(qkv_ptr=p, out_ptr=p, part_ptr="*fp32", counter_ptr="*i32", anchor_ptr=p, table_ptr="*i64",
+                           start_ptr="*i64", q_w_ptr=p, k_w_ptr=p, inv_freq_ptr="*fp32", stride_qkv_b="i32",
+                           stride_qkv_t="i32", stride_out_b="i32", stride_out_t="i32", stride_table="i32",
+                           k_offset="i32", v_offset="i32", capacity="i32", eps="fp32", scale="fp32"),
                       dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, PAGE=page, BLOCK_K=block_k, IEEE=dtype == "fp32",
-                           PREFETCH=c["PREFETCH"]),
+                           PREFETCH=c["PREFETCH"], **(dict(SPLIT=c["SPLIT"]) if split else {})),
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
         # the paged cache's reads and writes (prefill), talker shapes
         build(k._kv_write_kernel, dict(k_ptr=p, v_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64",

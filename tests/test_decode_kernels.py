@@ -87,6 +87,34 @@ def test_decode_attention_matches_the_plain_attention(kernels, t):
 
 
 @pytest.mark.parametrize("t", [1, 2])
+def test_split_attention_matches_the_one_program_attention(kernels, t):
+    """A row's keys cut over 2 or 4 programs a KV head, their softmax partials merged by the last to
+    arrive, give what one program gives, with the same cache writes; rows whose later programs hold no
+    key included (one key; three blocks over four programs). The arrival counters are zero again
+    after every launch."""
+    torch.manual_seed(4)
+    heads, kv_heads, head_dim, b, cap = 4, 2, 32, 3, 40
+    caches = [KVCache(1, b, cap, kv_heads, head_dim, torch.float32, "cpu", page_size=16, reserve_all=True,
+                      separate_pages=True) for _ in range(2)]
+    earlier = torch.randn(b, cap, kv_heads, head_dim), torch.randn(b, cap, kv_heads, head_dim)
+    for c in caches:
+        c.write(0, *earlier, torch.zeros(b, dtype=torch.long))
+    qkv = torch.randn(b, t, (heads + 2 * kv_heads) * head_dim)
+    start = torch.tensor([0, 17, cap + 1 - t])       # 1 key (t = 1); 2 blocks of 16; the cache's end
+    w = torch.rand(head_dim) + 0.5
+    args = (heads, kv_heads, w, w, 1e-6, rope_inv_freq(head_dim, 1e6))
+    expected = kernels.decode_attention(qkv, *args, caches[0], 0, start, kernels.ATTENTION_CONFIGS[0])
+    splits = [c for c in kernels.ATTENTION_CONFIGS if c["SPLIT"] > 1]
+    assert {c["SPLIT"] for c in splits} == {2, 4}
+    for config in splits:
+        got = kernels.decode_attention(qkv, *args, caches[1], 0, start, config)
+        torch.testing.assert_close(got[:2], expected[:2], atol=1e-5, rtol=0, msg=str(config))
+        for a, e in zip(caches[1].read(0, b, cap), caches[0].read(0, b, cap)):
+            torch.testing.assert_close(a, e, atol=1e-6, rtol=0)
+        assert not kernels._split_counters(torch.device("cpu"), b * kv_heads, t).any()
+
+
+@pytest.mark.parametrize("t", [1, 2])
 def test_stack_decode_matches_the_layer_kernels(kernels, t):
     """The whole stack in one persistent kernel computes what its per-layer kernels compute: every
     layer's K/V written to the same places of a paged cache, the residual stream out (here its grid
@@ -309,6 +337,19 @@ def test_linear_times_its_configs_on_copies_of_its_weights(kernels, timed_on_cop
     assert kernels._fastest_config[key] == configs[2]
 
 
+def test_attention_is_timed_for_the_calls_longest_rows(kernels, timed_on_copies):
+    """The configs are timed on scratch rows as long as the call's kmax (a decode graph's kv bucket;
+    at least ATTENTION_TIMING_MIN_KEYS, ATTENTION_TIMING_KEYS when not told, at most the capacity),
+    each length on its own: a row's keys split over programs pay only for long rows."""
+    cache = KVCache(1, 1, 300, 2, 32, torch.float32, "cpu", page_size=16, reserve_all=True, separate_pages=True)
+    qkv, w = torch.randn(1, 1, 8 * 32), torch.ones(32)
+    for kmax, keys in ((None, 256), (64, 128), (200, 200), (1000, 300)):
+        kernels.decode_attention(qkv, 4, 2, w, w, 1e-6, rope_inv_freq(32, 1e6), cache, 0, torch.tensor([3]),
+                                 kmax=kmax)
+        assert timed_on_copies["launches"][-1][0].keywords["cache"].capacity == keys
+    assert len(timed_on_copies["launches"]) == 4 * len(kernels.ATTENTION_CONFIGS)
+
+
 def test_attention_times_its_configs_on_scratch_layers(kernels, timed_on_copies):
     """`decode_attention` times its configs over the layers of a scratch cache (never the live one),
     read one after another as a decode step does, with and without its prefetch."""
@@ -331,7 +372,7 @@ def test_attention_times_its_configs_on_scratch_layers(kernels, timed_on_copies)
     assert scratch is not cache and scratch.num_layers == 3
     assert [f.keywords["layer"] for f in launches] == [0, 1, 2]
     assert {c["PREFETCH"] for c in kernels.ATTENTION_CONFIGS} == {True, False}
-    key = ("attention", b, 1, heads, kv_heads, head_dim, qkv.dtype, cache.capacity, cache.page_size)
+    key = ("attention", b, 1, heads, kv_heads, head_dim, qkv.dtype, cache.capacity, cache.page_size, 40)
     assert kernels._fastest_config[key] == kernels.ATTENTION_CONFIGS[-1]
     after = cache.read(0, b, 40)      # the live rows changed only at the new positions
     for a, e in zip(after, before):

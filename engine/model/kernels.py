@@ -10,7 +10,8 @@
 - The decode step (1 talker + 15 code-predictor forwards of 1-2 positions, 103 layers per frame) is
   bound by kernel launches at small batch, ~25 a layer as plain ops. `decode_attention` does a layer's
   whole attention core in one kernel (QK-norm, RoPE from the positions, K/V cache write, causal
-  attention over the row's cache). At a handful of rows cuBLAS reads the weights at a quarter of the
+  attention over the row's cache; at a few rows a long context's keys may be cut over several
+  programs a KV head, the last to finish merging their partials). At a handful of rows cuBLAS reads the weights at a quarter of the
   memory bandwidth; `linear` streams them in one skinny kernel (tensor-core tiles, or for 1-2 rows a
   CUDA-core one, whichever times fastest on the device) that also does the RMSNorm before the GEMM
   and the SwiGLU gate or the residual add after it: 5 kernels a layer. Past 16 rows the GEMMs are
@@ -842,24 +843,16 @@ if triton is not None:
         return x1 * c - x2 * s, x2 * c + x1 * s
 
     @triton.jit
-    def _attention_group(qkv, out, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr,
-                         stride_qkv_t, stride_out_t, capacity, eps, scale, kvh,
-                         T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                         M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        """KV head kvh of one row: its T new keys (normed, rotated) and values to the cache, then its G
-        query heads at each of the T positions attend causally over the row's keys. qkv, out: the row's
-        [T, ...] projections and output; k_cache, v_cache: the layer's K and V of head kvh in a page;
-        pages: the row's page offsets from them; start: the row's first new position."""
+    def _write_new_kv(qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq, stride_qkv_t, capacity, eps, kvh,
+                      T: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
+        """KV head kvh's T new keys (RMS-normed, rotated) and values to the cache (positions past the
+        capacity land in the scratch page)."""
         HALF: tl.constexpr = D // 2
         dtype = k_cache.dtype.element_ty
         i = tl.arange(0, HALF)
-        inv_freq = tl.load(inv_freq_ptr + i)
-
-        # The T new keys (normed, rotated) and values go to the cache first (positions past the
-        # capacity land in the scratch page), then every key is read back from it.
+        d = tl.arange(0, D)
         kw1 = tl.load(k_w_ptr + i).to(tl.float32)
         kw2 = tl.load(k_w_ptr + HALF + i).to(tl.float32)
-        d = tl.arange(0, D)
         for t in tl.static_range(T):
             src = qkv + t * stride_qkv_t + (HQ + kvh) * D
             k1 = tl.load(src + i).to(tl.float32)
@@ -871,31 +864,44 @@ if triton is not None:
             tl.store(k_cache + dst + i, r1.to(dtype))
             tl.store(k_cache + dst + HALF + i, r2.to(dtype))
             tl.store(v_cache + dst + d, tl.load(qkv + t * stride_qkv_t + (HQ + HKV + kvh) * D + d))
-        tl.debug_barrier()
 
-        # Queries: the G heads of this KV head at each of the T positions, one row each (padded to M).
+    @triton.jit
+    def _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, dtype: tl.constexpr,
+                       T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, M: tl.constexpr):
+        """The G query heads of KV head kvh at each of the T positions, one row each (padded to M),
+        RMS-normed and rotated, as two halves in the cache's dtype."""
+        HALF: tl.constexpr = D // 2
+        i = tl.arange(0, HALF)
         r = tl.arange(0, M)
-        valid = r < T * G
         t_r = r // G
         head = kvh * G + r % G
         q_src = qkv + t_r[:, None] * stride_qkv_t + head[:, None] * D + i[None, :]
-        q1 = tl.load(q_src, mask=valid[:, None], other=0.0).to(tl.float32)
-        q2 = tl.load(q_src + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+        valid = (r < T * G)[:, None]
+        q1 = tl.load(q_src, mask=valid, other=0.0).to(tl.float32)
+        q2 = tl.load(q_src + HALF, mask=valid, other=0.0).to(tl.float32)
         inv = tl.rsqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / D + eps)
         q1 = q1 * inv[:, None] * tl.load(q_w_ptr + i).to(tl.float32)[None, :]
         q2 = q2 * inv[:, None] * tl.load(q_w_ptr + HALF + i).to(tl.float32)[None, :]
         q1, q2 = _rope(q1, q2, (start + t_r).to(tl.float32)[:, None], inv_freq[None, :], dtype)
-        q1, q2 = q1.to(dtype), q2.to(dtype)
+        return q1.to(dtype), q2.to(dtype)
 
-        # Online-softmax attention over keys 0 .. start+t (row t), fp32 scores and accumulator.
-        last = start + t_r
-        end = tl.minimum(start + T, capacity + 1)
+    @triton.jit
+    def _attend(q1, q2, last, k_cache, v_cache, pages, k_begin, k_end, scale,
+                HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr,
+                IEEE: tl.constexpr):
+        """Online softmax of the M query rows over keys k_begin .. k_end-1 (k_begin a multiple of
+        BLOCK_K), each row causally up to its position `last`: the running max, the sum of exp and the
+        unnormalised output [M, D], all fp32."""
+        HALF: tl.constexpr = D // 2
+        dtype = k_cache.dtype.element_ty
+        i = tl.arange(0, HALF)
+        d = tl.arange(0, D)
         m_i = tl.full([M], float("-inf"), tl.float32)
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, D], tl.float32)
-        for k0 in range(0, end, BLOCK_K):
+        for k0 in range(k_begin, k_end, BLOCK_K):
             idx = k0 + tl.arange(0, BLOCK_K)
-            in_range = idx < end
+            in_range = idx < k_end
             # A block lies in one page (BLOCK_K divides PAGE): one offset load, then the rows as in a
             # contiguous cache. Offsets are multiples of 16 elements (pages are 512-byte aligned):
             # said so, the key and value rows load as wide vectors.
@@ -920,8 +926,46 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(dtype), v)
             m_i = m_new
-        o = (acc / l_i[:, None]).to(out.dtype.element_ty)
-        tl.store(out + t_r[:, None] * stride_out_t + head[:, None] * D + d[None, :], o, mask=valid[:, None])
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _store_heads(out, o, stride_out_t, kvh, T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, M: tl.constexpr):
+        """The rows of `_group_queries` (o [M, D]) to their heads and positions of out."""
+        r = tl.arange(0, M)
+        d = tl.arange(0, D)
+        dst = out + (r // G)[:, None] * stride_out_t + (kvh * G + r % G)[:, None] * D + d[None, :]
+        tl.store(dst, o.to(out.dtype.element_ty), mask=(r < T * G)[:, None])
+
+    @triton.jit
+    def _attention_group(qkv, out, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr,
+                         stride_qkv_t, stride_out_t, capacity, eps, scale, kvh,
+                         T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                         M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """KV head kvh of one row: its T new keys (normed, rotated) and values to the cache, then its G
+        query heads at each of the T positions attend causally over the row's keys. qkv, out: the row's
+        [T, ...] projections and output; k_cache, v_cache: the layer's K and V of head kvh in a page;
+        pages: the row's page offsets from them; start: the row's first new position."""
+        inv_freq = tl.load(inv_freq_ptr + tl.arange(0, D // 2))
+        # the new keys go to the cache first, then every key is read back from it
+        _write_new_kv(qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq, stride_qkv_t, capacity, eps, kvh,
+                      T, HQ, HKV, D, PAGE)
+        tl.debug_barrier()
+        q1, q2 = _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, k_cache.dtype.element_ty,
+                                T, G, D, M)
+        last = start + tl.arange(0, M) // G
+        m_i, l_i, acc = _attend(q1, q2, last, k_cache, v_cache, pages, 0, tl.minimum(start + T, capacity + 1),
+                                scale, HKV, D, M, PAGE, BLOCK_K, IEEE)
+        _store_heads(out, acc / l_i[:, None], stride_out_t, kvh, T, G, D, M)
+
+    @triton.jit
+    def _prefetch_older_kv(k_cache, v_cache, pages, k_begin, k_end, HKV: tl.constexpr, D: tl.constexpr,
+                           PAGE: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Ask L2 for the keys and values k_begin .. k_end-1 written by earlier steps, found through the
+        page table as it is before the wait (at worst stale: then the hints miss, the reads stay exact)."""
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            at = tl.load(pages + k0 // PAGE) + (k0 % PAGE) * (HKV * D)
+            _prefetch_rows_l2(k_cache + at, k_end - k0, D, HKV * D, BLOCK_K, D)
+            _prefetch_rows_l2(v_cache + at, k_end - k0, D, HKV * D, BLOCK_K, D)
 
     @triton.jit
     def _decode_attention_kernel(
@@ -938,17 +982,77 @@ if triton is not None:
         k_cache = anchor_ptr + k_offset + kvh * D
         v_cache = anchor_ptr + v_offset + kvh * D
         if PREFETCH:
-            # the keys and values written by earlier steps, found through the positions and page table
-            # as they are before the wait (at worst stale: then the hints miss, the reads stay exact)
-            older = tl.minimum(tl.load(start_ptr + b), capacity)
-            for k0 in range(0, older, BLOCK_K):
-                at = tl.load(pages + k0 // PAGE) + (k0 % PAGE) * (HKV * D)
-                _prefetch_rows_l2(k_cache + at, older - k0, D, HKV * D, BLOCK_K, D)
-                _prefetch_rows_l2(v_cache + at, older - k0, D, HKV * D, BLOCK_K, D)
+            _prefetch_older_kv(k_cache, v_cache, pages, 0, tl.minimum(tl.load(start_ptr + b), capacity),
+                               HKV, D, PAGE, BLOCK_K)
         _dependent_launch_start(PDL)
         _attention_group(qkv_ptr + b * stride_qkv_b, out_ptr + b * stride_out_b, k_cache, v_cache, pages,
                          tl.load(start_ptr + b), q_w_ptr, k_w_ptr, inv_freq_ptr, stride_qkv_t, stride_out_t,
                          capacity, eps, scale, kvh, T, G, HQ, HKV, D, M, PAGE, BLOCK_K, IEEE)
+
+    @triton.jit
+    def _split_attention_kernel(
+            qkv_ptr, out_ptr, part_ptr, counter_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr, k_w_ptr,
+            inv_freq_ptr, stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, stride_table, k_offset, v_offset,
+            capacity, eps, scale,
+            T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+            M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+            PREFETCH: tl.constexpr, SPLIT: tl.constexpr):
+        """`_attention_group` of row program_id(0), KV head program_id(1) with its keys cut in SPLIT
+        ranges of whole blocks, one a program (program_id(2)): at a few rows, a long context's blocks are
+        read side by side instead of one after another. Every program writes the same new keys and
+        values (so each reads back its own write), leaves its softmax partials in `part_ptr` and counts
+        itself in at `counter_ptr`; the last to arrive merges the partials, writes the output and sets
+        the counter back to 0 for the next launch."""
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        pages = table_ptr + b * stride_table
+        k_cache = anchor_ptr + k_offset + kvh * D
+        v_cache = anchor_ptr + v_offset + kvh * D
+        start = tl.load(start_ptr + b)
+        end = tl.minimum(start + T, capacity + 1)
+        per = tl.cdiv(tl.cdiv(end, BLOCK_K), SPLIT) * BLOCK_K     # keys a program, whole blocks
+        k_begin = split * per
+        k_end = tl.minimum(end, k_begin + per)
+        if PREFETCH:
+            _prefetch_older_kv(k_cache, v_cache, pages, k_begin, tl.minimum(k_end, tl.minimum(start, capacity)),
+                               HKV, D, PAGE, BLOCK_K)
+        _dependent_launch_start(PDL)
+        start = tl.load(start_ptr + b)
+        qkv = qkv_ptr + b * stride_qkv_b
+        inv_freq = tl.load(inv_freq_ptr + tl.arange(0, D // 2))
+        _write_new_kv(qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq, stride_qkv_t, capacity, eps, kvh,
+                      T, HQ, HKV, D, PAGE)
+        tl.debug_barrier()
+        q1, q2 = _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, k_cache.dtype.element_ty,
+                                T, G, D, M)
+        r = tl.arange(0, M)
+        d = tl.arange(0, D)
+        m_i, l_i, acc = _attend(q1, q2, start + r // G, k_cache, v_cache, pages, k_begin, k_end, scale,
+                                HKV, D, M, PAGE, BLOCK_K, IEEE)
+        # partials of (row, KV head): SPLIT x [M] maxima, [M] sums, [M, D] outputs, fp32
+        group = b * HKV + kvh
+        part = part_ptr + group * SPLIT * M * (D + 2)
+        tl.store(part + split * M + r, m_i)
+        tl.store(part + (SPLIT + split) * M + r, l_i)
+        tl.store(part + 2 * SPLIT * M + split * M * D + r[:, None] * D + d[None, :], acc)
+        tl.debug_barrier()                                     # the program's threads have all written
+        arrived = tl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:                               # the last: every partial is written
+            tl.debug_barrier()
+            tl.store(counter_ptr + group, 0)
+            m_all = tl.full([M], float("-inf"), tl.float32)
+            for s in tl.static_range(SPLIT):
+                m_all = tl.maximum(m_all, tl.load(part + s * M + r, cache_modifier=".cg"))
+            l_all = tl.zeros([M], tl.float32)
+            o = tl.zeros([M, D], tl.float32)
+            for s in tl.static_range(SPLIT):
+                w = tl.exp(tl.load(part + s * M + r, cache_modifier=".cg") - m_all)
+                w = tl.where(m_all == float("-inf"), 0.0, w)        # padding rows: no key at all
+                l_all += w * tl.load(part + (SPLIT + s) * M + r, cache_modifier=".cg")
+                o += w[:, None] * tl.load(part + 2 * SPLIT * M + s * M * D + r[:, None] * D + d[None, :],
+                                          cache_modifier=".cg")
+            _store_heads(out_ptr + b * stride_out_b, o / l_all[:, None], stride_out_t, kvh, T, G, D, M)
 
 
 def decode_attention_supports(head_dim: int) -> bool:
@@ -958,16 +1062,20 @@ def decode_attention_supports(head_dim: int) -> bool:
 
 # The configs `decode_attention` times: keys a block, launch options, and whether it asks L2 for the
 # older keys and values before its wait (on an H100 the timing kept that for the talker up to 8 rows
-# and dropped it from 12 up, call BP)
-ATTENTION_CONFIGS = [dict(BLOCK_K=k, num_warps=w, num_stages=st, PREFETCH=p) for p in (True, False)
+# and dropped it from 12 up, call BP); SPLIT > 1: a row's keys read by that many programs a KV head
+# side by side (`_split_attention_kernel`), for long contexts at a few rows
+ATTENTION_CONFIGS = [dict(BLOCK_K=k, num_warps=w, num_stages=st, PREFETCH=p, SPLIT=1) for p in (True, False)
                      for k, w, st in ((64, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 3), (32, 2, 3), (128, 4, 3),
                                       (128, 8, 3), (128, 8, 2))]
-ATTENTION_TIMING_KEYS = 256      # live keys per row on the scratch cache the configs are timed on
+ATTENTION_CONFIGS += [dict(BLOCK_K=k, num_warps=4, num_stages=3, PREFETCH=True, SPLIT=split)
+                      for split in (2, 4) for k in (64, 32)]
+ATTENTION_TIMING_KEYS = 256      # live keys per row on the scratch cache the configs are timed on, unless told
+ATTENTION_TIMING_MIN_KEYS = 128  # ... and at least (the decode graphs' smallest kv bucket)
 
 
 def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
                      k_norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, cache, layer: int,
-                     start: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+                     start: torch.Tensor, config: dict | None = None, kmax: int | None = None) -> torch.Tensor:
     """The attention core of a decode forward in one kernel -> [B, T, heads * head_dim].
 
     qkv [B, T, (heads + 2 * kv_heads) * head_dim]: the fused QKV projection of T new positions
@@ -977,9 +1085,10 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     each query attends causally over keys 0 .. its own position. Reads exactly the row's live keys:
     no mask, no kv bucket.
     config: one of ATTENTION_CONFIGS; by default the fastest for these shapes, timed once on the GPU on
-    a scratch cache of ATTENTION_TIMING_KEYS keys a row (the live lengths at warm-up say nothing of
-    the load, and timing must not write into live rows) with as many layers as overflow L2, read one
-    after another as a decode step does.
+    a scratch cache of `kmax` keys a row (the most a row holds in this call: a decode graph's kv
+    bucket; ATTENTION_TIMING_KEYS when not told; the live lengths at warm-up say nothing of the load,
+    and timing must not write into live rows) with as many layers as overflow L2, read one after
+    another as a decode step does. Splitting a row's keys over programs pays only for long rows.
     """
     b, t, width = qkv.shape
     head_dim, page = cache.head_dim, cache.page_size
@@ -989,23 +1098,31 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
                          f"cache of {cache.kv_heads} x {head_dim}, pages of {page}")
     qkv = qkv.contiguous()
     out = torch.empty(b, t, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
+    m = max(16, triton.next_power_of_2(t * heads // kv_heads))
 
     def launch(c, cache=cache, layer=layer, start=start, out=out, compile_only=False):
         block = max(16, min(c["BLOCK_K"], triton.next_power_of_2(cache.capacity), cache.page_size))
         k_offset, v_offset = cache.layer_offsets(layer)
-        _launch(_decode_attention_kernel, (b, kv_heads),
-                (qkv, out, cache.anchor, cache.table, start, q_norm_weight, k_norm_weight, inv_freq,
-                 qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), cache.table.stride(0),
-                 k_offset, v_offset, cache.capacity, eps, head_dim ** -0.5),
-                dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
-                     M=max(16, triton.next_power_of_2(t * heads // kv_heads)), PAGE=cache.page_size,
-                     BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"],
-                     num_stages=c["num_stages"], **_pdl(qkv, prefetch=c["PREFETCH"])), compile_only)
+        args = (qkv, out, cache.anchor, cache.table, start, q_norm_weight, k_norm_weight, inv_freq,
+                qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), cache.table.stride(0),
+                k_offset, v_offset, cache.capacity, eps, head_dim ** -0.5)
+        options = dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim, M=m, PAGE=cache.page_size,
+                       BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"],
+                       num_stages=c["num_stages"], **_pdl(qkv, prefetch=c["PREFETCH"]))
+        if c["SPLIT"] == 1:
+            _launch(_decode_attention_kernel, (b, kv_heads), args, options, compile_only)
+        else:
+            parts = torch.empty(b * kv_heads * c["SPLIT"] * m * (head_dim + 2), dtype=torch.float32, device=qkv.device)
+            _launch(_split_attention_kernel, (b, kv_heads, c["SPLIT"]),
+                    args[:2] + (parts, _split_counters(qkv.device, b * kv_heads, t)) + args[2:],
+                    dict(options, SPLIT=c["SPLIT"]), compile_only)
+
+    keys = _timing_keys(cache, kmax)
 
     @functools.cache
     def scratch():
-        layer_bytes = b * _timing_keys(cache) * 2 * kv_heads * head_dim * qkv.element_size()
-        return _timing_cache(cache, copies_beyond_l2(layer_bytes, qkv.device), b, t, start)
+        layer_bytes = b * keys * 2 * kv_heads * head_dim * qkv.element_size()
+        return _timing_cache(cache, copies_beyond_l2(layer_bytes, qkv.device), b, t, start, keys)
 
     def launch_on_scratch(c, compile_only=False):
         scratch_cache, scratch_start = scratch()
@@ -1017,23 +1134,30 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
                 for i in range(scratch_cache.num_layers)]
 
     if config is None:
-        key = ("attention", b, t, heads, kv_heads, head_dim, qkv.dtype, cache.capacity, cache.page_size)
+        key = ("attention", b, t, heads, kv_heads, head_dim, qkv.dtype, cache.capacity, cache.page_size, keys)
         config = _fastest(key, ATTENTION_CONFIGS, launch_on_scratch, scratch_layers)
     launch(config)
     return out
 
 
-def _timing_keys(cache) -> int:
-    """Live keys a row of `_timing_cache` holds."""
-    return min(ATTENTION_TIMING_KEYS, cache.capacity)
+@functools.cache
+def _split_counters(device: torch.device, groups: int, t: int) -> torch.Tensor:
+    """The arrival counters of `_split_attention_kernel` for `groups` (row, KV head) pairs: zero between
+    launches (the last program of a pair resets its own). One set per shape, made when its configs are
+    timed, outside any CUDA graph; decode (t = 1) and prefill launches never share one."""
+    return torch.zeros(groups, dtype=torch.int32, device=device)
 
 
-def _timing_cache(cache, layers: int, rows: int, t: int, start: torch.Tensor):
-    """A scratch cache like `cache` (`layers` layers, `rows` slots of ATTENTION_TIMING_KEYS keys, every
-    page its own) and the start of rows whose T new positions end it: what a kernel that writes into
-    the cache is timed on (the live lengths at warm-up say nothing of the load, and timing must not
-    write into live rows)."""
-    keys = _timing_keys(cache)
+def _timing_keys(cache, kmax: int | None = None) -> int:
+    """Live keys a row of `_timing_cache` holds for a call whose rows hold up to kmax keys."""
+    return min(max(kmax or ATTENTION_TIMING_KEYS, ATTENTION_TIMING_MIN_KEYS), cache.capacity)
+
+
+def _timing_cache(cache, layers: int, rows: int, t: int, start: torch.Tensor, keys: int):
+    """A scratch cache like `cache` (`layers` layers, `rows` slots of `keys` keys, every page its own)
+    and the start of rows whose T new positions end it: what a kernel that writes into the cache is
+    timed on (the live lengths at warm-up say nothing of the load, and timing must not write into
+    live rows)."""
     scratch = type(cache)(layers, rows, keys, cache.kv_heads, cache.head_dim, cache.anchor.dtype, cache.anchor.device,
                           cache.page_size, reserve_all=True, separate_pages=cache.separate_pages)
     return scratch, torch.full((rows,), max(0, keys - t), dtype=start.dtype, device=start.device)
@@ -1205,7 +1329,7 @@ def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start:
                      BN_DOWN=width(dm, c), DOT=c["DOT"], IEEE=x.dtype == torch.float32,
                      num_warps=c["num_warps"], num_stages=c["num_stages"], **_pdl(x)), compile_only)
 
-    scratch = functools.cache(lambda: _timing_cache(cache, layers, b, t, start))
+    scratch = functools.cache(lambda: _timing_cache(cache, layers, b, t, start, _timing_keys(cache)))
 
     def launch_on_scratch(c, compile_only=False):
         launch(c, *scratch(), compile_only=compile_only)

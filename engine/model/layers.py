@@ -174,13 +174,13 @@ class Attention(nn.Module):
         out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), mask.repeat(1, 1, g, 1))
         return self.o_proj(out.reshape(b, self.heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1))
 
-    def decode(self, h, norm: RMSNorm, cache, layer: int, start, inv_freq):
+    def decode(self, h, norm: RMSNorm, cache, layer: int, start, inv_freq, kmax=None):
         """h + self(norm(h)) for the decode pattern (rows = slots 0..B-1, a few new positions each): the
-        norm in the QKV GEMM, the attention core in one kernel (`kernels.decode_attention`), the
-        residual add in the output GEMM. Needs `fuse`."""
+        norm in the QKV GEMM, the attention core in one kernel (`kernels.decode_attention`, its launch
+        config timed for rows of up to kmax keys), the residual add in the output GEMM. Needs `fuse`."""
         qkv = linear(h, self.qkv_weight, norm.weight, norm.eps)
         out = decode_attention(qkv, self.heads, self.kv_heads, self.q_norm.weight, self.k_norm.weight,
-                               self.q_norm.eps, inv_freq, cache, layer, start)
+                               self.q_norm.eps, inv_freq, cache, layer, start, kmax=kmax)
         return linear(out, self.o_proj.weight, residual=h)
 
 
@@ -199,10 +199,10 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, slots, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def decode(self, h, cache, layer: int, start, inv_freq):
+    def decode(self, h, cache, layer: int, start, inv_freq, kmax=None):
         """`forward` for the fused decode path: 3 GEMMs with the norms, the gate and the residual adds
         folded in (`kernels.linear`), and the attention kernel."""
-        h = self.self_attn.decode(h, self.input_layernorm, cache, layer, start, inv_freq)
+        h = self.self_attn.decode(h, self.input_layernorm, cache, layer, start, inv_freq, kmax)
         norm, mlp = self.post_attention_layernorm, self.mlp
         act = linear(h, mlp.gate_up_weight, norm.weight, norm.eps, gated=True)
         return linear(act, mlp.down_proj.weight, residual=h)
@@ -296,7 +296,7 @@ class DecoderStack(nn.Module):
         """
         t = x.shape[1]
         if self.fused_decode and slots is None and t <= 2:
-            x = self._decode(x, cache, start)
+            x = self._decode(x, cache, start, kmax)
             return rms_norm(x, self.norm.weight, self.norm.eps) if final_norm else x
         kmax = cache.capacity if kmax is None else kmax
         positions = start[:, None] + torch.arange(t, device=start.device)
@@ -319,14 +319,14 @@ class DecoderStack(nn.Module):
         the layers' (`kernels.embedding`), else the module."""
         return kernels.embedding(ids, table.weight) if self.fused_decode else table(ids)
 
-    def _decode(self, x, cache, start):
+    def _decode(self, x, cache, start, kmax=None):
         """The layers of `forward` for decode steps (rows = slots 0..B-1, T <= 2): the same math in 5
         kernels a layer at up to 16 rows (10 beyond), the norms, gate and residual adds folded into the
         GEMMs and the attention core in one kernel; or all of it in one kernel up to 16 rows
         (`kernels.stack_decode`, where `persistent_decode`). Attention reads each row's live keys:
-        kmax plays no part."""
+        kmax only says what length its launch config is timed for."""
         if self.persistent_decode and x.shape[0] * x.shape[1] <= kernels.SKINNY_ROWS:
             return kernels.stack_decode(x, self.stacked, self.inv_freq, cache, start)
         for i, layer in enumerate(self.layers):
-            x = layer.decode(x, cache, i, start, self.inv_freq)
+            x = layer.decode(x, cache, i, start, self.inv_freq, kmax)
         return x
