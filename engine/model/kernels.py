@@ -937,6 +937,19 @@ if triton is not None:
         tl.store(dst, o.to(out.dtype.element_ty), mask=(r < T * G)[:, None])
 
     @triton.jit
+    def _new_keys_then_queries(qkv, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr, stride_qkv_t,
+                               capacity, eps, kvh, T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr,
+                               HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr, PAGE: tl.constexpr):
+        """KV head kvh's new keys and values to the cache (every key is then read back from it), and
+        its `_group_queries`."""
+        inv_freq = tl.load(inv_freq_ptr + tl.arange(0, D // 2))
+        _write_new_kv(qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq, stride_qkv_t, capacity, eps, kvh,
+                      T, HQ, HKV, D, PAGE)
+        tl.debug_barrier()
+        return _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, k_cache.dtype.element_ty,
+                              T, G, D, M)
+
+    @triton.jit
     def _attention_group(qkv, out, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr,
                          stride_qkv_t, stride_out_t, capacity, eps, scale, kvh,
                          T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
@@ -945,13 +958,8 @@ if triton is not None:
         query heads at each of the T positions attend causally over the row's keys. qkv, out: the row's
         [T, ...] projections and output; k_cache, v_cache: the layer's K and V of head kvh in a page;
         pages: the row's page offsets from them; start: the row's first new position."""
-        inv_freq = tl.load(inv_freq_ptr + tl.arange(0, D // 2))
-        # the new keys go to the cache first, then every key is read back from it
-        _write_new_kv(qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq, stride_qkv_t, capacity, eps, kvh,
-                      T, HQ, HKV, D, PAGE)
-        tl.debug_barrier()
-        q1, q2 = _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, k_cache.dtype.element_ty,
-                                T, G, D, M)
+        q1, q2 = _new_keys_then_queries(qkv, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr,
+                                        stride_qkv_t, capacity, eps, kvh, T, G, HQ, HKV, D, M, PAGE)
         last = start + tl.arange(0, M) // G
         m_i, l_i, acc = _attend(q1, q2, last, k_cache, v_cache, pages, 0, tl.minimum(start + T, capacity + 1),
                                 scale, HKV, D, M, PAGE, BLOCK_K, IEEE)
@@ -990,6 +998,14 @@ if triton is not None:
                          capacity, eps, scale, kvh, T, G, HQ, HKV, D, M, PAGE, BLOCK_K, IEEE)
 
     @triton.jit
+    def _split_range(start, T: tl.constexpr, capacity, split, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Keys [k_begin, k_end) of program `split` of SPLIT for a row whose new positions start at
+        `start`: whole blocks, as even a share as they allow (later programs may get none)."""
+        end = tl.minimum(start + T, capacity + 1)
+        per = tl.cdiv(tl.cdiv(end, BLOCK_K), SPLIT) * BLOCK_K
+        return split * per, tl.minimum(end, split * per + per)
+
+    @triton.jit
     def _split_attention_kernel(
             qkv_ptr, out_ptr, part_ptr, counter_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr, k_w_ptr,
             inv_freq_ptr, stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, stride_table, k_offset, v_offset,
@@ -1009,23 +1025,15 @@ if triton is not None:
         pages = table_ptr + b * stride_table
         k_cache = anchor_ptr + k_offset + kvh * D
         v_cache = anchor_ptr + v_offset + kvh * D
-        start = tl.load(start_ptr + b)
-        end = tl.minimum(start + T, capacity + 1)
-        per = tl.cdiv(tl.cdiv(end, BLOCK_K), SPLIT) * BLOCK_K     # keys a program, whole blocks
-        k_begin = split * per
-        k_end = tl.minimum(end, k_begin + per)
-        if PREFETCH:
-            _prefetch_older_kv(k_cache, v_cache, pages, k_begin, tl.minimum(k_end, tl.minimum(start, capacity)),
-                               HKV, D, PAGE, BLOCK_K)
+        if PREFETCH:     # this program's share of the keys as the positions are before the wait (a hint)
+            k_begin, k_end = _split_range(tl.load(start_ptr + b), T, capacity, split, SPLIT, BLOCK_K)
+            _prefetch_older_kv(k_cache, v_cache, pages, k_begin,
+                               tl.minimum(k_end, tl.minimum(tl.load(start_ptr + b), capacity)), HKV, D, PAGE, BLOCK_K)
         _dependent_launch_start(PDL)
         start = tl.load(start_ptr + b)
-        qkv = qkv_ptr + b * stride_qkv_b
-        inv_freq = tl.load(inv_freq_ptr + tl.arange(0, D // 2))
-        _write_new_kv(qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq, stride_qkv_t, capacity, eps, kvh,
-                      T, HQ, HKV, D, PAGE)
-        tl.debug_barrier()
-        q1, q2 = _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, k_cache.dtype.element_ty,
-                                T, G, D, M)
+        k_begin, k_end = _split_range(start, T, capacity, split, SPLIT, BLOCK_K)
+        q1, q2 = _new_keys_then_queries(qkv_ptr + b * stride_qkv_b, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr,
+                                        inv_freq_ptr, stride_qkv_t, capacity, eps, kvh, T, G, HQ, HKV, D, M, PAGE)
         r = tl.arange(0, M)
         d = tl.arange(0, D)
         m_i, l_i, acc = _attend(q1, q2, start + r // G, k_cache, v_cache, pages, k_begin, k_end, scale,
