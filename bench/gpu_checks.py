@@ -13,7 +13,8 @@
 - a sampled scheduler turn with the decode kernels launched as programmatic dependents against the
   same turn launched plainly (`kernels.PDL`): the same kernels, so the same codes, bit for bit;
 - a stack's decode forward as one persistent kernel against its kernels per layer (talker and code
-  predictor, 1-16 rows), and 2,000 of its launches in a row (no barrier hangs).
+  predictor, 1-16 rows), and 2,000 of its launches in a row (no barrier hangs);
+- the attention with a row's keys split over programs against the one-program kernel.
 Each check prints a RESULT row with its errors and `ok`; the exit status is 1 if any is not ok.
 
     python -m bench.gpu_checks --model-dir /tmp/rand06b
@@ -282,6 +283,43 @@ def persistent_stack_vs_layer_kernels(model) -> dict:
                 counters_after=counters, ok=worst < 0.03 and counters == [0, 0])
 
 
+def split_attention_vs_one_program(model) -> dict:
+    """`decode_attention` with a row's keys cut over 2 or 4 programs (partials merged by the last to
+    arrive) against the one-program kernel, at the talker's first layer over random earlier keys, 1 and
+    4 rows of up to 500 keys: the output (the merge sums in another order: bf16 rounding apart) and the
+    K/V written, 200 launches each (a merge that read a partial before it was written would differ in
+    some), and every arrival counter back at 0."""
+    from engine.model import kernels
+    g = torch.Generator(device=model.device).manual_seed(5)
+    talker = model.talker
+    attn = talker.model.layers[0].self_attn
+    args = (attn.heads, attn.kv_heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, talker.model.inv_freq)
+    rows, worst, kv_equal, counters = [], 0.0, True, []
+    for b in (1, 4):
+        cache = talker.new_cache(b, 512)
+        start = torch.randint(1, 500, (b,), device=model.device, generator=g)
+        kv = [torch.randn(b, 512, cache.kv_heads, cache.head_dim, device=model.device, generator=g).to(model.dtype)
+              for _ in range(2)]
+        qkv = torch.randn(b, 1, (attn.heads + 2 * attn.kv_heads) * attn.head_dim, device=model.device,
+                          generator=g).to(model.dtype)
+        for config in kernels.ATTENTION_CONFIGS:
+            if config is not kernels.ATTENTION_CONFIGS[0] and config["SPLIT"] == 1:
+                continue
+            cache.write(0, *kv, torch.zeros(b, dtype=torch.long, device=model.device))
+            outs = [kernels.decode_attention(qkv, *args, cache, 0, start, config) for _ in range(200)]
+            written = torch.cat(cache.read(0, b, 512), dim=-1)
+            if config["SPLIT"] == 1:
+                expected, expected_kv = outs[0], written
+                continue
+            e = max(err(o, expected)["rel_rms"] for o in outs)
+            worst = max(worst, e)
+            kv_equal &= torch.equal(written, expected_kv)
+            rows.append(f"{b} rows, split {config['SPLIT']}, {config['BLOCK_K']} keys a block: {e:.1e}")
+        counters.append(int(kernels._split_counters(qkv.device, b * attn.kv_heads, 1).sum()))
+    return dict(check="split_attention_vs_one_program", rel_rms=rows, worst_rel_rms=worst, kv_equal=kv_equal,
+                counters_after=counters, ok=worst < 0.01 and kv_equal and counters == [0, 0])
+
+
 @torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -292,7 +330,8 @@ def main() -> int:
     args = ap.parse_args()
     checks = (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops,
               vocoder_channels_last_vs_first, scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
-              dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, persistent_stack_vs_layer_kernels)
+              dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, persistent_stack_vs_layer_kernels,
+              split_attention_vs_one_program)
     if args.only:
         names = args.only.split(",")
         unknown = set(names) - {c.__name__ for c in checks}
