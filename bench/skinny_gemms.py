@@ -34,7 +34,7 @@ def name_of(c: dict) -> str:
 class Gemm:
     """One of a layer's GEMMs: `copies` weights, its input, residual and output buffers."""
 
-    def __init__(self, name, n, k, norm, gated, residual, rows, copies):
+    def __init__(self, name, n, k, norm, gated, residual, rows, copies, extra):
         bf16 = dict(device="cuda", dtype=torch.bfloat16)
         self.name, self.n, self.k, self.norm, self.gated, self.residual = name, n, k, norm, gated, residual
         self.weights = [torch.randn(2 * n if gated else n, k, **bf16) * k ** -0.5 for _ in range(copies)]
@@ -42,7 +42,9 @@ class Gemm:
         self.r = torch.randn(rows, n, **bf16) if residual else None
         self.nw = torch.rand(k, **bf16) + 0.5 if norm else None
         self.out = torch.empty(rows, n, **bf16)
-        self.configs = kernels.linear_configs(rows, k, gated)
+        self.configs = kernels.linear_configs(rows, k, gated) + [
+            c for c in extra if c["kernel"] == "dot" or rows <= kernels.GEMV_ROWS]
+        self.times = {}      # us alone per config name (`main`)
 
     def run(self, config, copy, x=None):
         kernels.skinny_linear(self.x if x is None else x, self.weights[copy], self.out, config, self.nw, 1e-6,
@@ -75,17 +77,16 @@ def main() -> None:
     d, q = args.hidden, args.heads * args.head_dim
     extra = [parse_config(c) for c in args.extra.split(",") if c]
     for rows in map(int, args.rows.split(",")):
-        gemms = [Gemm("qkv", q + 2 * args.kv_heads * args.head_dim, d, True, False, False, rows, args.copies),
-                 Gemm("o", d, q, False, False, True, rows, args.copies),
-                 Gemm("gate_up", args.intermediate, d, True, True, False, rows, args.copies),
-                 Gemm("down", d, args.intermediate, False, False, True, rows, args.copies)]
+        gemms = [Gemm("qkv", q + 2 * args.kv_heads * args.head_dim, d, True, False, False, rows, args.copies, extra),
+                 Gemm("o", d, q, False, False, True, rows, args.copies, extra),
+                 Gemm("gate_up", args.intermediate, d, True, True, False, rows, args.copies, extra),
+                 Gemm("down", d, args.intermediate, False, False, True, rows, args.copies, extra)]
         picks, best = {}, {}
         for g in gemms:        # every variant compiled side by side first, as `linear`'s own timing does
-            g.configs += [c for c in extra if c["kernel"] == "dot" or rows <= kernels.GEMV_ROWS]
             kernels._compile_candidates(g.configs, lambda c, compile_only=False, g=g: kernels.skinny_linear(
                 g.x, g.weights[0], g.out, c, g.nw, 1e-6, g.gated, g.r, compile_only))
         for g in gemms:
-            times = {}
+            times = g.times
             for c in g.configs:
                 try:
                     times[name_of(c)] = isolated_us(lambda i, c=c: g.run(c, i), args.copies, args.reps)
@@ -97,7 +98,6 @@ def main() -> None:
             hot = isolated_us(lambda i: g.run(picks[g.name], 0), args.copies, args.reps)
             cublas = isolated_us(lambda i: F.linear(g.x, g.weights[i]), args.copies, args.reps)
             best[g.name] = min(g.configs, key=lambda c: times[name_of(c)])
-            g.times = times
             mb = g.weights[0].numel() * 2 / 1e6
             emit(dict(peer="qwen3-tts-server", kind="skinny_gemm", gemm=g.name, rows=rows, n=g.n, k=g.k, weight_mb=mb,
                       hot_us=round(hot, 2), cublas_us=round(cublas, 2), picked=name_of(picks[g.name]),

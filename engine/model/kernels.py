@@ -760,12 +760,18 @@ def linear_configs(rows: int, k: int, gated: bool = False, element_size: int = 2
     gemv = rows <= GEMV_ROWS
     configs = _DOT_CONFIGS + (_GEMV_CONFIGS if gemv else [])
     if PRELOAD:
-        row_bytes = (1 << (k - 1).bit_length()) * element_size
-        configs = configs + [
-            c for c in _PRELOAD_CONFIGS if (gemv or c["kernel"] == "dot")
-            and ((16 if c["kernel"] == "dot" else GEMV_ROWS) + c["BLOCK_N"] * (2 if gated else 1)) * row_bytes
-            <= PRELOAD_THREAD_BYTES * 32 * c["num_warps"]]
+        configs = configs + [c for c in _PRELOAD_CONFIGS if (gemv or c["kernel"] == "dot")
+                             and _preload_fits(c, k, gated, element_size)]
     return configs
+
+
+def _preload_fits(config: dict, k: int, gated: bool, element_size: int) -> bool:
+    """Whether a PRELOAD config's registers hold its block's weight rows (gate and up rows when gated)
+    and x's rows, K padded to a power of two, within PRELOAD_THREAD_BYTES a thread."""
+    x_rows = 16 if config["kernel"] == "dot" else GEMV_ROWS
+    weight_rows = config["BLOCK_N"] * (2 if gated else 1)
+    row_bytes = (1 << (k - 1).bit_length()) * element_size
+    return (x_rows + weight_rows) * row_bytes <= PRELOAD_THREAD_BYTES * 32 * config["num_warps"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
@@ -1026,9 +1032,10 @@ if triton is not None:
         k_cache = anchor_ptr + k_offset + kvh * D
         v_cache = anchor_ptr + v_offset + kvh * D
         if PREFETCH:     # this program's share of the keys as the positions are before the wait (a hint)
-            k_begin, k_end = _split_range(tl.load(start_ptr + b), T, capacity, split, SPLIT, BLOCK_K)
-            _prefetch_older_kv(k_cache, v_cache, pages, k_begin,
-                               tl.minimum(k_end, tl.minimum(tl.load(start_ptr + b), capacity)), HKV, D, PAGE, BLOCK_K)
+            older = tl.load(start_ptr + b)
+            k_begin, k_end = _split_range(older, T, capacity, split, SPLIT, BLOCK_K)
+            _prefetch_older_kv(k_cache, v_cache, pages, k_begin, tl.minimum(k_end, tl.minimum(older, capacity)),
+                               HKV, D, PAGE, BLOCK_K)
         _dependent_launch_start(PDL)
         start = tl.load(start_ptr + b)
         k_begin, k_end = _split_range(start, T, capacity, split, SPLIT, BLOCK_K)
