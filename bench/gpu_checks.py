@@ -315,9 +315,49 @@ def split_attention_vs_one_program(model) -> dict:
             worst = max(worst, e)
             kv_equal &= torch.equal(written, expected_kv)
             rows.append(f"{b} rows, split {config['SPLIT']}, {config['BLOCK_K']} keys a block: {e:.1e}")
-        counters.append(int(kernels._split_counters(qkv.device, b * attn.kv_heads, 1).sum()))
+        counters.append(int(kernels._arrival_counters(qkv.device, "split attention, 1 positions", b * attn.kv_heads).sum()))
     return dict(check="split_attention_vs_one_program", rel_rms=rows, worst_rel_rms=worst, kv_equal=kv_equal,
                 counters_after=counters, ok=worst < 0.01 and kv_equal and counters == [0, 0])
+
+
+def qkv_attention_one_launch_vs_two_kernels(model) -> dict:
+    """`qkv_attention` in one launch (the last of a KV head's programs runs its attention) against
+    `linear` then `decode_attention`, at the first layer of the code predictor (16 positions, its first
+    step's 2 and a later step's 1) and of the talker (1 position over up to 300 earlier keys), 1 and 2
+    rows, every config it may pick: 200 launches each, which must all give the same output and K/V (an
+    attention that read a block before it was written would differ in some), within bf16 rounding of
+    the two kernels' (the GEMM sums in another order), and every arrival counter back at 0."""
+    from engine.model import kernels
+    g = torch.Generator(device=model.device).manual_seed(6)
+    rows, worst, repeatable, counters = [], 0.0, True, 0
+    for name, stack, capacity, t in (("code predictor", model.talker.code_predictor.model, 16, 2),
+                                     ("code predictor", model.talker.code_predictor.model, 16, 1),
+                                     ("talker", model.talker.model, 320, 1)):
+        layer = stack.layers[0]
+        attn, norm = layer.self_attn, layer.input_layernorm
+        for b in (1, 2):
+            cache = (model.talker.code_predictor.new_cache(b) if capacity == 16 else model.talker.new_cache(b, capacity))
+            start = torch.randint(0, capacity - t + 1, (b,), device=model.device, generator=g)
+            kv = [torch.randn(b, capacity, cache.kv_heads, cache.head_dim, device=model.device, generator=g).to(model.dtype)
+                  for _ in range(2)]
+            x = torch.randn(b, t, norm.weight.shape[0], device=model.device, generator=g).to(model.dtype)
+            args = (x, attn.qkv_weight, norm.weight, norm.eps, attn.heads, attn.kv_heads, attn.q_norm.weight,
+                    attn.k_norm.weight, attn.q_norm.eps, stack.inv_freq, cache, 0, start)
+            results = {}
+            for config in [kernels.SEPARATE] + kernels.qkv_attention_configs(b * t, x.shape[-1], cache.head_dim, 2):
+                cache.write(0, *kv, torch.zeros(b, dtype=torch.long, device=model.device))
+                outs = [kernels.qkv_attention(*args, config=config) for _ in range(1 if config == kernels.SEPARATE else 200)]
+                written = torch.cat(cache.read(0, b, capacity), dim=-1)
+                repeatable &= all(torch.equal(o, outs[0]) for o in outs)
+                results[str(config)] = outs[0], written
+            expected, expected_kv = results.pop(str(kernels.SEPARATE))
+            for config, (out, written) in results.items():
+                e = max(err(out, expected)["rel_rms"], err(written, expected_kv)["rel_rms"])
+                worst = max(worst, e)
+                rows.append(f"{name}, {b} rows, {t} positions, {config}: {e:.1e}")
+            counters += int(kernels._arrival_counters(x.device, "qkv_attention", attn.kv_heads).sum())
+    return dict(check="qkv_attention_one_launch_vs_two_kernels", rel_rms=rows, worst_rel_rms=worst,
+                repeatable=repeatable, counters_after=counters, ok=worst < 0.02 and repeatable and counters == 0)
 
 
 @torch.no_grad()
@@ -331,7 +371,7 @@ def main() -> int:
     checks = (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops,
               vocoder_channels_last_vs_first, scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
               dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, persistent_stack_vs_layer_kernels,
-              split_attention_vs_one_program)
+              split_attention_vs_one_program, qkv_attention_one_launch_vs_two_kernels)
     if args.only:
         names = args.only.split(",")
         unknown = set(names) - {c.__name__ for c in checks}

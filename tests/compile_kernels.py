@@ -51,6 +51,21 @@ def main() -> None:
                       dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, PAGE=page, BLOCK_K=block_k, IEEE=dtype == "fp32",
                            PREFETCH=c["PREFETCH"], **(dict(SPLIT=c["SPLIT"]) if split else {})),
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
+        # the QKV projection and attention core in one launch: every config `qkv_attention` may time and
+        # pick at 1 and 16 rows (bf16; the first in fp32), for the talker and the code predictor's first step
+        for rows in (1, 16):
+            for c in k.qkv_attention_configs(rows, 1024, 128, 2 if dtype == "bf16" else 4)[:None if dtype == "bf16" else 1]:
+                for t, page in ((1, 64), (2, 16)):
+                    dot = c["kernel"] == "dot"
+                    build(k._qkv_attention_kernel,
+                          dict(x_ptr=p, w_ptr=p, qkv_ptr=p, norm_w_ptr=p, out_ptr=p, counter_ptr="*i32", anchor_ptr=p,
+                               table_ptr="*i64", start_ptr="*i64", q_w_ptr=p, k_w_ptr=p, inv_freq_ptr="*fp32", B="i32",
+                               K="i32", eps="fp32", stride_table="i32", k_offset="i32", v_offset="i32", capacity="i32",
+                               qk_eps="fp32", scale="fp32"),
+                          dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, PAGE=page, BLOCK_KEYS=min(64, page),
+                               BLOCK_M=16 if dot else k.GEMV_ROWS, BLOCK_N=c["BLOCK_N"], BLOCK_K=1024, DOT=dot,
+                               IEEE=dtype == "fp32", PREFETCH=False, PRELOAD=True),
+                          num_warps=c["num_warps"], num_stages=c["num_stages"])
         # the paged cache's reads and writes (prefill), talker shapes
         build(k._kv_write_kernel, dict(k_ptr=p, v_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64",
                                        rows_ptr="*i64", stride_kb="i32", stride_kt="i32", stride_vb="i32",

@@ -353,6 +353,7 @@ def qk_norm_rope(x, weight, eps, cos, sin):
 
 
 _fastest_config: dict = {}
+_fastest_time: dict = {}       # key -> milliseconds of its `_fastest_config` (timed keys only)
 log = logging.getLogger(__name__)
 
 # The configs `_fastest` is about to time are first compiled side by side in threads (Triton releases
@@ -380,7 +381,9 @@ def _fastest(key, configs: list[dict], launch, copies=None) -> dict:
         else:
             launches = copies()
             time = lambda c: _graph_time(launches, c)  # noqa: E731
-        best = _fastest_config[key] = min(configs, key=lambda c: _time(time, c))
+        times = [_time(time, c) for c in configs]
+        _fastest_time[key] = min(times)
+        best = _fastest_config[key] = configs[times.index(_fastest_time[key])]
     return best
 
 
@@ -701,10 +704,18 @@ if triton is not None:
                               DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
                               GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
                               PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
-        """`_linear_block` of one program's column block, its weights asked of L2 before the wait; or
+        _skinny_linear_program(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, tl.program_id(0) * BLOCK_N,
+                               BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL, PDL, PREFETCH, PRELOAD)
+
+    @triton.jit
+    def _skinny_linear_program(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
+                               GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                               PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
+        """`_linear_block` of the column block at col0, its weights asked of L2 before the wait; or
         (PRELOAD, BLOCK_K >= K) the block's whole weight rows loaded into registers before the wait,
         so that after it only x is read: the weights' read overlaps the kernel before."""
-        col0 = tl.program_id(0) * BLOCK_N
         if PRELOAD:
             cols = col0 + tl.arange(0, BLOCK_N)
             rows = tl.arange(0, BLOCK_M)
@@ -1070,6 +1081,40 @@ if triton is not None:
             _store_heads(out_ptr + b * stride_out_b, o / l_all[:, None], stride_out_t, kvh, T, G, D, M)
 
 
+    @triton.jit
+    def _qkv_attention_kernel(
+            x_ptr, w_ptr, qkv_ptr, norm_w_ptr, out_ptr, counter_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr,
+            k_w_ptr, inv_freq_ptr, B, K, eps, stride_table, k_offset, v_offset, capacity, qk_eps, scale,
+            T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+            M: tl.constexpr, PAGE: tl.constexpr, BLOCK_KEYS: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+            PDL: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
+        """A decode layer's QKV projection (its input norm folded in, as `linear`) and attention core
+        (`_attention_group`, as `decode_attention`) in one launch. Each program computes its column
+        block of qkv [B * T, (HQ + 2 HKV) * D] (BLOCK_N divides D: a block is in one head), then counts
+        itself in at its KV head's counter; the last of a KV head's (G + 2) * D / BLOCK_N programs (its
+        query heads', key's and value's blocks) runs that KV head's attention for every row and sets the
+        counter back to 0. What the attention kernel's own launch costs (its wait for the projection,
+        its loads of qkv from afar) is saved where its work is short: the code predictor's <= 16 keys."""
+        N: tl.constexpr = (HQ + 2 * HKV) * D
+        col0 = tl.program_id(0) * BLOCK_N
+        _skinny_linear_program(x_ptr, w_ptr, qkv_ptr, x_ptr, norm_w_ptr, B * T, N, K, eps, col0, BLOCK_M, BLOCK_N,
+                               BLOCK_K, DOT, IEEE, True, False, False, PDL, PREFETCH, PRELOAD)
+        head = col0 // D                                      # of qkv's HQ query, HKV key and HKV value heads
+        kvh = tl.where(head < HQ, head // G, (head - HQ) % HKV)
+        tl.debug_barrier()                                     # the program's threads have all written
+        arrived = tl.atomic_add(counter_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+        if arrived == (G + 2) * D // BLOCK_N - 1:              # the last: the KV head's q, k and v are written
+            tl.debug_barrier()
+            tl.store(counter_ptr + kvh, 0)
+            k_cache = anchor_ptr + k_offset + kvh * D
+            v_cache = anchor_ptr + v_offset + kvh * D
+            for b in range(B):
+                _attention_group(qkv_ptr + b * T * N, out_ptr + b * T * HQ * D, k_cache, v_cache,
+                                 table_ptr + b * stride_table, tl.load(start_ptr + b), q_w_ptr, k_w_ptr, inv_freq_ptr,
+                                 N, HQ * D, capacity, qk_eps, scale, kvh, T, G, HQ, HKV, D, M, PAGE, BLOCK_KEYS, IEEE)
+
+
 def decode_attention_supports(head_dim: int) -> bool:
     """Head sizes the kernel takes: a power of two, each half at least a tensor-core tile (16)."""
     return head_dim >= 32 and head_dim & (head_dim - 1) == 0
@@ -1129,7 +1174,7 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
         else:
             parts = torch.empty(b * kv_heads * c["SPLIT"] * m * (head_dim + 2), dtype=torch.float32, device=qkv.device)
             _launch(_split_attention_kernel, (b, kv_heads, c["SPLIT"]),
-                    args[:2] + (parts, _split_counters(qkv.device, b * kv_heads, t)) + args[2:],
+                    args[:2] + (parts, _arrival_counters(qkv.device, f"split attention, {t} positions", b * kv_heads)) + args[2:],
                     dict(options, SPLIT=c["SPLIT"]), compile_only)
 
     keys = _timing_keys(cache, kmax)
@@ -1149,18 +1194,118 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
                 for i in range(scratch_cache.num_layers)]
 
     if config is None:
-        key = ("attention", b, t, heads, kv_heads, head_dim, qkv.dtype, cache.capacity, cache.page_size, keys)
+        key = attention_timing_key(b, t, heads, kv_heads, qkv.dtype, cache, kmax)
         config = _fastest(key, ATTENTION_CONFIGS, launch_on_scratch, scratch_layers)
     launch(config)
     return out
 
 
+def attention_timing_key(rows: int, t: int, heads: int, kv_heads: int, dtype: torch.dtype, cache,
+                         kmax: int | None) -> tuple:
+    """The key `decode_attention`'s configs are timed under (`_fastest`)."""
+    return ("attention", rows, t, heads, kv_heads, cache.head_dim, dtype, cache.capacity, cache.page_size,
+            _timing_keys(cache, kmax))
+
+
+# `qkv_attention` as two kernels, `linear`'s and `decode_attention`'s
+SEPARATE = dict(kernel="separate")
+QKV_ATTENTION = os.environ.get("QWEN3_TTS_QKV_ATTENTION", "1") != "0"
+
+
+def qkv_attention_configs(rows: int, k: int, head_dim: int, element_size: int) -> list[dict]:
+    """The one-launch configs `qkv_attention` times: `linear`'s preloaded configs for these rows whose
+    column blocks lie in one head (QWEN3_TTS_QKV_ATTENTION=0: none)."""
+    return [c for c in linear_configs(rows, k, False, element_size)
+            if QKV_ATTENTION and c.get("PRELOAD") and head_dim % c["BLOCK_N"] == 0]
+
+
+def qkv_attention(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, heads: int,
+                  kv_heads: int, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, qk_eps: float,
+                  inv_freq: torch.Tensor, cache, layer: int, start: torch.Tensor, kmax: int | None = None,
+                  config: dict | None = None) -> torch.Tensor:
+    """`decode_attention`(`linear`(x, weight, norm_weight, eps), ...) -> [B, T, heads * head_dim]: a
+    decode layer's normed QKV projection and attention core, as those two kernels or in one launch
+    (`_qkv_attention_kernel`), whichever was timed faster for these shapes (config: SEPARATE or one of
+    `qkv_attention_configs`). The two kernels' configs are timed first, at this call, then the one
+    launch's (on weight copies and a scratch cache, as theirs), and its time is set against the sum of
+    theirs: a kernel replayed after itself is timed with its launch and wait, which the one launch saves
+    once. Until timed (the first call, elsewhere than on a GPU, in a graph's capture) it is the two."""
+    b, t, k = x.shape
+    head_dim = cache.head_dim
+    key = ("qkv_attention", b, t, k, heads, kv_heads, x.dtype, cache.capacity, cache.page_size, _timing_keys(cache, kmax))
+    config = config or _fastest_config.get(key)
+    if config is None or config == SEPARATE:
+        qkv = linear(x, weight, norm_weight, eps)
+        out = decode_attention(qkv, heads, kv_heads, q_norm_weight, k_norm_weight, qk_eps, inv_freq, cache, layer,
+                               start, kmax=kmax)
+        if config is None and torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():
+            separate = (linear_timing_key(b * t, weight.shape[0], k, x.dtype, True, False, False),
+                        attention_timing_key(b, t, heads, kv_heads, x.dtype, cache, kmax))
+            _fastest_config[key] = _one_launch_if_faster(key, x, weight, norm_weight, eps, heads, kv_heads, q_norm_weight,
+                                                         k_norm_weight, qk_eps, inv_freq, cache, start, kmax, separate)
+        return out
+    return _qkv_attention_launch(config, x, weight, norm_weight, eps, heads, kv_heads, q_norm_weight, k_norm_weight,
+                                 qk_eps, inv_freq, cache, layer, start, kmax)
+
+
+def _qkv_attention_launch(config, x, weight, norm_weight, eps, heads, kv_heads, q_norm_weight, k_norm_weight, qk_eps,
+                          inv_freq, cache, layer, start, kmax, compile_only=False) -> torch.Tensor:
+    """`_qkv_attention_kernel` with one of `qkv_attention_configs`."""
+    b, t, k = x.shape
+    head_dim = cache.head_dim
+    if (weight.shape[0] != (heads + 2 * kv_heads) * head_dim or kv_heads != cache.kv_heads
+            or head_dim % config["BLOCK_N"] or b * t > SKINNY_ROWS):
+        raise ValueError(f"qkv_attention: unsupported shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"cache of {cache.kv_heads} x {head_dim}, config {config}")
+    x = x.contiguous()
+    qkv = torch.empty(b * t, weight.shape[0], dtype=x.dtype, device=x.device)
+    out = torch.empty(b, t, heads * head_dim, dtype=x.dtype, device=x.device)
+    dot = config["kernel"] == "dot"
+    k_offset, v_offset = cache.layer_offsets(layer)
+    _launch(_qkv_attention_kernel, (triton.cdiv(weight.shape[0], config["BLOCK_N"]),),
+            (x, weight, qkv, norm_weight, out, _arrival_counters(x.device, "qkv_attention", kv_heads), cache.anchor,
+             cache.table, start, q_norm_weight, k_norm_weight, inv_freq, b, k, eps, cache.table.stride(0), k_offset,
+             v_offset, cache.capacity, qk_eps, head_dim ** -0.5),
+            dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
+                 M=max(16, triton.next_power_of_2(t * heads // kv_heads)), PAGE=cache.page_size,
+                 BLOCK_KEYS=max(16, min(64, triton.next_power_of_2(cache.capacity), cache.page_size)),
+                 BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=triton.next_power_of_2(k),
+                 DOT=dot, IEEE=x.dtype == torch.float32, PRELOAD=True, num_warps=config["num_warps"],
+                 num_stages=config["num_stages"], **_pdl(x, prefetch=False)), compile_only)
+    return out
+
+
+def _one_launch_if_faster(key, x, weight, norm_weight, eps, heads, kv_heads, q_norm_weight, k_norm_weight, qk_eps,
+                          inv_freq, cache, start, kmax, separate: tuple) -> dict:
+    """The fastest of `qkv_attention_configs`, timed over weight copies and a scratch cache's layers
+    that together overflow L2, if it beats the sum of the two kernels' timed picks; else SEPARATE."""
+    b, t, k = x.shape
+    configs = qkv_attention_configs(b * t, k, cache.head_dim, x.element_size())
+    if not configs or any(s not in _fastest_time for s in separate):
+        return SEPARATE
+    keys = _timing_keys(cache, kmax)
+    kv_bytes = b * keys * 2 * kv_heads * cache.head_dim * x.element_size()
+    n = max(copies_beyond_l2(weight.numel() * weight.element_size(), x.device), copies_beyond_l2(kv_bytes, x.device))
+    scratch, scratch_start = _timing_cache(cache, n, b, t, start, keys)
+    weights = [weight] + [weight.clone() for _ in range(n - 1)]
+
+    def launch(c, compile_only=False, weight=weight, layer=0):
+        _qkv_attention_launch(c, x, weight, norm_weight, eps, heads, kv_heads, q_norm_weight, k_norm_weight, qk_eps,
+                              inv_freq, scratch, layer, scratch_start, kmax, compile_only)
+
+    def copies():
+        return [functools.partial(launch, weight=w, layer=i) for i, w in enumerate(weights)]
+    one_launch = _fastest(key + ("one launch",), configs, launch, copies)
+    faster = _fastest_time[key + ("one launch",)] < sum(_fastest_time[s] for s in separate)
+    return one_launch if faster else SEPARATE
+
+
 @functools.cache
-def _split_counters(device: torch.device, groups: int, t: int) -> torch.Tensor:
-    """The arrival counters of `_split_attention_kernel` for `groups` (row, KV head) pairs: zero between
-    launches (the last program of a pair resets its own). One set per shape, made when its configs are
-    timed, outside any CUDA graph; decode (t = 1) and prefill launches never share one."""
-    return torch.zeros(groups, dtype=torch.int32, device=device)
+def _arrival_counters(device: torch.device, kernel: str, n: int) -> torch.Tensor:
+    """`n` arrival counters of a kernel whose last program of a group counts itself in and sets the
+    group's back to 0: zero between launches, so one set serves every launch of that kernel on a
+    stream (the decode steps'). Made at the configs' timing, outside any CUDA graph."""
+    return torch.zeros(n, dtype=torch.int32, device=device)
 
 
 def _timing_keys(cache, kmax: int | None = None) -> int:

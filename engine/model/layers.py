@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import kernels
-from .kernels import decode_attention, linear, qk_norm_rope, rms_norm
+from .kernels import linear, qk_norm_rope, qkv_attention, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -177,10 +177,10 @@ class Attention(nn.Module):
     def decode(self, h, norm: RMSNorm, cache, layer: int, start, inv_freq, kmax=None):
         """h + self(norm(h)) for the decode pattern (rows = slots 0..B-1, a few new positions each): the
         norm in the QKV GEMM, the attention core in one kernel (`kernels.decode_attention`, its launch
-        config timed for rows of up to kmax keys), the residual add in the output GEMM. Needs `fuse`."""
-        qkv = linear(h, self.qkv_weight, norm.weight, norm.eps)
-        out = decode_attention(qkv, self.heads, self.kv_heads, self.q_norm.weight, self.k_norm.weight,
-                               self.q_norm.eps, inv_freq, cache, layer, start, kmax=kmax)
+        config timed for rows of up to kmax keys) or both in one launch, whichever is faster
+        (`kernels.qkv_attention`), the residual add in the output GEMM. Needs `fuse`."""
+        out = qkv_attention(h, self.qkv_weight, norm.weight, norm.eps, self.heads, self.kv_heads, self.q_norm.weight,
+                            self.k_norm.weight, self.q_norm.eps, inv_freq, cache, layer, start, kmax)
         return linear(out, self.o_proj.weight, residual=h)
 
 
