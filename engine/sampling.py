@@ -167,7 +167,8 @@ class TalkerLogitsProcessor:
 
     def __init__(self, vocab_size: int, eos_id: int, device: torch.device | str = "cpu"):
         ids = torch.arange(vocab_size, device=device)
-        self.suppress = (ids >= vocab_size - 1024) & (ids != eos_id)
+        self.eos_id, self.suppress_from = eos_id, vocab_size - 1024
+        self.suppress = (ids >= self.suppress_from) & (ids != eos_id)
         self.is_eos = ids == eos_id
 
     def __call__(self, logits: torch.Tensor, seen: torch.Tensor, generated: torch.Tensor,
@@ -225,6 +226,11 @@ def sample_talker(processor: TalkerLogitsProcessor, logits: torch.Tensor, seen: 
                   generated: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     """c0 [B] from raw fp32 talker logits [B,V]; `generated` [B] = c0 tokens generated so far by the
     row (also the frame index keying its noise, codebook 0)."""
+    if fused_sampling(logits.device, p.talker_top_p_any):       # the processor in the sampling kernel
+        processing = kernels.TalkerProcessing(seen, p.repetition_penalty, p.min_new_tokens, processor.eos_id,
+                                              processor.suppress_from)
+        return kernels.sample_rows(logits, p.greedy, p.temperature, p.top_k, p.seed, generated, 0,
+                                   processing=processing)
     logits = processor(logits, seen, generated, p.repetition_penalty, p.min_new_tokens)
     return sample(logits, p.greedy, p.temperature, p.top_k, p.top_p, p.seed, generated, 0, p.talker_top_p_any)
 

@@ -142,13 +142,16 @@ def main() -> None:
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
-    # fp32 logits (the talker's, after its logits processor) and bf16 (the code predictor's head)
-    for block, logits in ((2048, "*fp32"), (4096, "*fp32"), (2048, "*bf16")):
+    # fp32 logits (the talker's, with its logits processor folded in or not) and bf16 (the code predictor's head)
+    for block, logits, process in ((2048, "*fp32", False), (4096, "*fp32", False), (4096, "*fp32", True),
+                                   (2048, "*bf16", False)):
         for config in k.SAMPLE_CONFIGS:
             build(k._sample_rows_kernel, dict(logits_ptr=logits, out_ptr="*i64", greedy_ptr="*i1",
                                               temperature_ptr="*fp32", top_k_ptr="*i64", seed_ptr="*i64",
-                                              frame_ptr="*i64", codebook="i32", V="i32", stride_logits="i32"),
-                  dict(BLOCK=block, RADIX_BITS=config["RADIX_BITS"]), num_warps=config["num_warps"])
+                                              frame_ptr="*i64", seen_ptr="*i1", penalty_ptr="*fp32",
+                                              min_new_ptr="*i64", codebook="i32", V="i32", stride_logits="i32",
+                                              stride_seen="i32", eos="i32", suppress_from="i32"),
+                  dict(BLOCK=block, RADIX_BITS=config["RADIX_BITS"], PROCESS=process), num_warps=config["num_warps"])
     for job in JOBS:
         job.result()          # a compile error fails the run
 

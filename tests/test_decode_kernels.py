@@ -288,6 +288,30 @@ def test_sample_rows_matches_plain_sampling(kernels, radix_bits):
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
+def test_sample_rows_applies_the_talker_processor_first(kernels):
+    """With `processing`, the kernel applies the talker's logits processor (repetition penalty on seen
+    ids of either sign, EOS blocked before min_new_tokens, the control ids suppressed) before it
+    samples: the same ids as the processor's ops and then `sample`, greedy rows and sampled."""
+    from engine.sampling import TalkerLogitsProcessor, sample
+    g = torch.Generator().manual_seed(11)
+    b, v, eos = 6, 3072, 2150
+    logits = torch.randn(b, v, generator=g) * 3
+    logits[:, 2048:] += 4             # control ids (and EOS) the likeliest, unless suppressed or blocked
+    seen = torch.rand(b, v, generator=g) < 0.3
+    penalty = torch.tensor([1.0, 1.3, 2.0, 1.1, 5.0, 1.3])
+    generated, min_new = torch.tensor([0, 1, 2, 7, 0, 30]), torch.full((b,), 2)
+    greedy = torch.tensor([True, False, False, True, False, False])
+    temperature, top_k = torch.full((b,), 0.9), torch.tensor([50, 0, 1, 50, 5, 50])
+    seed, no_top_p = torch.arange(b) + 3, torch.ones(b, dtype=torch.float64)
+    processor = TalkerLogitsProcessor(v, eos)
+    expected = sample(processor(logits, seen, generated, penalty, min_new), greedy, temperature, top_k, no_top_p, seed,
+                      generated, 0, top_p_any=False)
+    processing = kernels.TalkerProcessing(seen, penalty, min_new, eos, processor.suppress_from)
+    got = kernels.sample_rows(logits, greedy, temperature, top_k, seed, generated, 0, processing=processing)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert ((got < 2048) | (got == eos)).all() and not (got[generated < 2] == eos).any()
+
+
 def test_sample_rows_takes_bf16_logits(kernels):
     """bf16 logits (a bf16 head's output) are sampled as their exact fp32 values: the same ids as
     the kernel and `sample` give for the cast logits."""

@@ -45,6 +45,7 @@ import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -1594,13 +1595,20 @@ if triton is not None:
 
     @triton.jit
     def _sample_rows_kernel(logits_ptr, out_ptr, greedy_ptr, temperature_ptr, top_k_ptr, seed_ptr, frame_ptr,
-                            codebook, V, stride_logits, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr,
+                            seen_ptr, penalty_ptr, min_new_ptr, codebook, V, stride_logits, stride_seen, eos,
+                            suppress_from, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PROCESS: tl.constexpr,
                             PDL: tl.constexpr):
         _dependent_launch_start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < V
         logits = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if PROCESS:     # `sampling.TalkerLogitsProcessor` first; the row's frame is its tokens generated so far
+            seen = tl.load(seen_ptr + row * stride_seen + cols, mask=mask, other=0) != 0
+            penalty = tl.load(penalty_ptr + row)
+            logits = tl.where(seen, tl.where(logits < 0, logits * penalty, tl.div_rn(logits, penalty)), logits)
+            eos_blocked = tl.load(frame_ptr + row) < tl.load(min_new_ptr + row)
+            logits = tl.where(tl.where(cols == eos, eos_blocked, cols >= suppress_from), float("-inf"), logits)
         if tl.load(greedy_ptr + row) != 0:
             pick = tl.argmax(logits, 0)
         else:
@@ -1616,23 +1624,40 @@ if triton is not None:
 SAMPLE_CONFIGS = [dict(num_warps=w, RADIX_BITS=r) for r in (8, 4) for w in (4, 8, 16, 2)]  # `sample_rows` times these
 
 
+class TalkerProcessing(NamedTuple):
+    """What `sampling.TalkerLogitsProcessor` needs of a batch, for `sample_rows` to apply it first:
+    seen [B, V] bool (each row's c0 ids so far), penalty [B] fp32, min_new_tokens [B] int64 (against
+    the rows' `frame`: their tokens generated so far), EOS's id and the first suppressed id (every id
+    from there on but EOS is suppressed)."""
+    seen: torch.Tensor
+    penalty: torch.Tensor
+    min_new_tokens: torch.Tensor
+    eos_id: int
+    suppress_from: int
+
+
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                seed: torch.Tensor, frame: torch.Tensor, codebook: int, config: dict | None = None) -> torch.Tensor:
+                seed: torch.Tensor, frame: torch.Tensor, codebook: int, config: dict | None = None,
+                processing: TalkerProcessing | None = None) -> torch.Tensor:
     """`engine.sampling.sample` without top-p in one kernel: ids [B] of logits [B, V] (fp32, or bf16
-    made fp32 as it is loaded: no cast kernel before it). The Gumbel noise of (seed, frame, codebook)
-    is hashed in the kernel: as a [B, V] float64 tensor made by ~20 elementwise kernels a codebook, it
-    cost 8-12% of a decode step on an H200 (bench/README.md). config: one of SAMPLE_CONFIGS; by
-    default the fastest for these shapes, timed once on the GPU."""
+    made fp32 as it is loaded: no cast kernel before it), after the talker's logits processor where
+    `processing` is given (the ~10 elementwise kernels it was). The Gumbel noise of (seed, frame,
+    codebook) is hashed in the kernel: as a [B, V] float64 tensor made by ~20 elementwise kernels a
+    codebook, it cost 8-12% of a decode step on an H200 (bench/README.md). config: one of
+    SAMPLE_CONFIGS; by default the fastest for these shapes, timed once on the GPU."""
     b, v = logits.shape
     logits = logits.contiguous()
     out = torch.empty(b, dtype=torch.long, device=logits.device)
+    p = processing or TalkerProcessing(greedy, temperature, top_k, 0, v)     # unread placeholders
 
     def launch(c, compile_only=False):
         _launch(_sample_rows_kernel, (b,),
-                (logits, out, greedy, temperature, top_k, seed, frame, codebook, v, logits.stride(0)),
-                dict(BLOCK=triton.next_power_of_2(v), RADIX_BITS=c["RADIX_BITS"], num_warps=c["num_warps"],
-                     **_pdl(logits)), compile_only)
+                (logits, out, greedy, temperature, top_k, seed, frame, p.seen, p.penalty, p.min_new_tokens, codebook,
+                 v, logits.stride(0), p.seen.stride(0), p.eos_id, p.suppress_from),
+                dict(BLOCK=triton.next_power_of_2(v), RADIX_BITS=c["RADIX_BITS"], PROCESS=processing is not None,
+                     num_warps=c["num_warps"], **_pdl(logits)), compile_only)
     # timed per power-of-two class of rows: one row is latency-bound, 256 fill the GPU (the graphs'
     # batch buckets meet every class at warm-up, before any eager call can)
-    launch(config or _fastest(("sample_rows", v, b.bit_length()), SAMPLE_CONFIGS, launch))
+    key = ("sample_rows", v, b.bit_length()) + (("processed",) if processing else ())
+    launch(config or _fastest(key, SAMPLE_CONFIGS, launch))
     return out
