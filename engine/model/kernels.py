@@ -16,12 +16,15 @@
   CUDA-core one, whichever times fastest on the device) that also does the RMSNorm before the GEMM
   and the SwiGLU gate or the residual add after it: 5 kernels a layer. Past 16 rows the GEMMs are
   cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own and the residual add in
-  addmm (which first copies the residual: 10 kernels a layer).
+  addmm (which first copies the residual: 10 kernels a layer). `qkv_attention` may run the QKV GEMM
+  and the attention core as one launch: the last program to finish a KV head's columns runs that
+  head's attention (an arrival counter), saving the attention kernel's launch and wait where its work
+  is short (the code predictor's <= 16 keys); the timing at warm-up decides per shape.
 - A frame's embedding for the next talker step (16 lookups in 16 tables, summed, plus the text
   term) was ~18 plain kernels a step; `embedding_sum` is one.
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
   plain ops, 16 times a frame, plus ~20 for the seeded noise; `sample_rows` is one, noise and the
-  logits' cast to fp32 included.
+  logits' cast to fp32 included, and the talker's logits processor (~10 more) too.
 - Even at 5 kernels a layer a one-row step is ~750 kernels of a few microseconds, each paying a launch
   gap after the one before. On Hopper and later the decode path's kernels are launched as programmatic
   dependents (`PDL`): the GPU starts each while the one before still runs, and it waits
