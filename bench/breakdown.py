@@ -130,7 +130,7 @@ def breakdown(model, batch: int, prompt: int, reps: int, windows: list[int]) -> 
     params = runner.params.head(batch)
     frame = runner.generated[:batch]
     out["predictor_ms"] = timed(lambda: model.talker.predict_codes(
-        runner.h[:batch], runner.c0[:batch], lambda lg, g: sample_subtalker(lg, g, frame, params), runner.cp_cache), reps)
+        runner.h[:batch], runner.c0[:batch], lambda lg, g, e: sample_subtalker(lg, g, frame, params, embed=e), runner.cp_cache), reps)
     logits = torch.randn(batch, model.config.talker.vocab_size, device=dev)
     out["sample_ms"] = timed(lambda: sample_talker(runner.processor, logits, runner.seen[:batch], frame, params), reps)
     picked = [c for k, c in kernels._fastest_config.items() if k[0] == "attention" and k[1] == batch]

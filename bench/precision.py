@@ -20,6 +20,7 @@ import torch
 from engine.loader import load_model
 from engine.model.kernels import snake_beta, snake_beta_reference
 from engine.requests import SamplingParams, SpeechRequest
+from engine.sampling import write_embedding
 from engine.synth import synthesize
 from bench.results import emit
 
@@ -85,10 +86,12 @@ def main() -> None:
         c0 = outs["fp32"][3] if n == "bf16" else logits.argmax(-1)
         cp = []
 
-        def pick(lg, g):
+        def pick(lg, g, embed):
             cp.append(lg)
             if n == "fp32":
                 forced.append(lg.argmax(-1))
+            if embed is not None:
+                write_embedding(forced[g - 1], embed)
             return forced[g - 1]
         m.talker.predict_codes(h, c0, pick)
         codes = torch.randint(0, 2048, (1, 50, 16), generator=torch.Generator().manual_seed(0)).to(m.device)

@@ -13,7 +13,7 @@ Typical use per decode step (rows 0..B-1):
     params = SamplingTensors.from_params([req.sampling for req in batch], device)
     c0 = sample_talker(processor, logits, seen, generated, params)   # generated[b] = frame index
     mark_seen(seen, c0)
-    sub_fn = lambda logits, group: sample_subtalker(logits, group, frame, params)
+    sub_fn = lambda logits, group, embed: sample_subtalker(logits, group, frame, params, embed=embed)
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import torch
 
 from .host import to_device
 from .model import kernels
+from .model.predictor import Embed
 from .requests import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -202,18 +203,28 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
 
 def sample(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: int,
-           top_p_any: bool = True, noise: torch.Tensor | None = None) -> torch.Tensor:
+           top_p_any: bool = True, noise: torch.Tensor | None = None, embed: Embed | None = None) -> torch.Tensor:
     """ids [B]: argmax of logits where greedy, else a seeded draw from softmax(warp(logits)), in
     fp32 whatever the logits' float dtype. `noise`: this codebook's gumbel_noise(seed, frame,
-    codebook) when already computed (the fused kernel hashes its own)."""
+    codebook) when already computed (the fused kernel hashes its own). `embed` = (table, out): table[ids]
+    is written to out too."""
     if fused_sampling(logits.device, top_p_any):          # the same, in one kernel
-        return kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook)
+        return kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook, embed=embed)
     logits = logits.float()
     if noise is None:
         noise = gumbel_noise(seed, frame, codebook, logits.shape[-1])
     warped = warp(logits, temperature, top_k, top_p, top_p_any)
     drawn = (warped.double() + noise).argmax(dim=-1)
-    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+    ids = torch.where(greedy, logits.argmax(dim=-1), drawn)
+    if embed is not None:
+        write_embedding(ids, embed)
+    return ids
+
+
+def write_embedding(ids: torch.Tensor, embed: Embed) -> None:
+    """embed = (table [V, D], out [B, D]): out := table[ids] (what a `SampleFn` does with its embed)."""
+    table, out = embed
+    out.copy_(table[ids])
 
 
 def fused_sampling(device: torch.device, top_p_any: bool) -> bool:
@@ -236,13 +247,13 @@ def sample_talker(processor: TalkerLogitsProcessor, logits: torch.Tensor, seen: 
 
 
 def sample_subtalker(logits: torch.Tensor, group: int, frame: torch.Tensor, p: SamplingTensors,
-                     noise: torch.Tensor | None = None) -> torch.Tensor:
+                     noise: torch.Tensor | None = None, embed: Embed | None = None) -> torch.Tensor:
     """Codebook `group` (1..15) ids [B] from code-predictor logits (MODEL.md 6.3: no penalty,
     no suppression). `frame` [B] is the row's index of the frame being completed. `noise`
     [B, 15, V]: `subtalker_noise(...)` for the frame (one hash pass instead of 15), or None (always
     when `fused_sampling`)."""
     return sample(logits, p.sub_greedy, p.sub_temperature, p.sub_top_k, p.sub_top_p, p.seed, frame, group,
-                  p.sub_top_p_any, None if noise is None else noise[:, group - 1])
+                  p.sub_top_p_any, None if noise is None else noise[:, group - 1], embed)
 
 
 def subtalker_noise(seed: torch.Tensor, frame: torch.Tensor, groups: int, vocab: int) -> torch.Tensor:

@@ -75,7 +75,6 @@ def main() -> None:
                                       stride_b="i32", stride_table="i32", k_offset="i32", v_offset="i32"),
                       dict(PAGE=64, HD=1024, BLOCK=1024))
         build(k._rms_norm_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, N="i32", eps="fp32"), dict(BLOCK=1024))
-        build(k._embedding_kernel, dict(ids_ptr="*i64", table_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
         for plus in (False, True):     # a reference's frames (prompt), a decode step's (with its text)
             build(k._embedding_sum_kernel, dict(ids_ptr="*i64", anchor_ptr=p, offsets_ptr="*i64", plus_ptr=p,
                                                 y_ptr=p, N="i32"), dict(G=16, HAS_PLUS=plus, BLOCK=1024))
@@ -142,16 +141,20 @@ def main() -> None:
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
-    # fp32 logits (the talker's, with its logits processor folded in or not) and bf16 (the code predictor's head)
-    for block, logits, process in ((2048, "*fp32", False), (4096, "*fp32", False), (4096, "*fp32", True),
-                                   (2048, "*bf16", False)):
+    # fp32 logits (the talker's, with its logits processor folded in or not) and bf16 (the code predictor's
+    # head, its picks' embeddings written or not: its last step)
+    for block, logits, process, embed in ((2048, "*fp32", False, False), (4096, "*fp32", False, False),
+                                          (4096, "*fp32", True, False), (2048, "*bf16", False, False),
+                                          (2048, "*bf16", False, True)):
         for config in k.SAMPLE_CONFIGS:
             build(k._sample_rows_kernel, dict(logits_ptr=logits, out_ptr="*i64", greedy_ptr="*i1",
                                               temperature_ptr="*fp32", top_k_ptr="*i64", seed_ptr="*i64",
                                               frame_ptr="*i64", seen_ptr="*i1", penalty_ptr="*fp32",
-                                              min_new_ptr="*i64", codebook="i32", V="i32", stride_logits="i32",
-                                              stride_seen="i32", eos="i32", suppress_from="i32"),
-                  dict(BLOCK=block, RADIX_BITS=config["RADIX_BITS"], PROCESS=process), num_warps=config["num_warps"])
+                                              min_new_ptr="*i64", table_ptr=logits, embed_ptr=logits, codebook="i32",
+                                              V="i32", stride_logits="i32", stride_seen="i32", eos="i32",
+                                              suppress_from="i32", D="i32", stride_embed="i32"),
+                  dict(BLOCK=block, RADIX_BITS=config["RADIX_BITS"], PROCESS=process, EMBED=embed,
+                       BLOCK_D=1024 if embed else 1), num_warps=config["num_warps"])
     for job in JOBS:
         job.result()          # a compile error fails the run
 

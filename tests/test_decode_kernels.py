@@ -35,12 +35,6 @@ def test_silu_mul_matches_torch(kernels):
     torch.testing.assert_close(kernels.silu_mul(gu), kernels.silu_mul_reference(gu), atol=1e-6, rtol=1e-6)
 
 
-def test_embedding_matches_torch(kernels):
-    table = torch.randn(50, 96, generator=torch.Generator().manual_seed(2))
-    ids = torch.tensor([3, 0, 49, 3])
-    torch.testing.assert_close(kernels.embedding(ids, table), F.embedding(ids, table), atol=0, rtol=0)
-
-
 @pytest.mark.parametrize("with_plus", [False, True])
 def test_embedding_sum_matches_torch(kernels, with_plus):
     """A frame's 16 lookups summed (tables of different sizes, allocated apart), then the text term."""
@@ -310,6 +304,20 @@ def test_sample_rows_applies_the_talker_processor_first(kernels):
     got = kernels.sample_rows(logits, greedy, temperature, top_k, seed, generated, 0, processing=processing)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     assert ((got < 2048) | (got == eos)).all() and not (got[generated < 2] == eos).any()
+
+
+def test_sample_rows_writes_the_picks_embeddings(kernels):
+    """With `embed`, each row's pick's table row is written out as well (the next code-predictor step's
+    input), for greedy and sampled rows; the ids are those without it."""
+    g = torch.Generator().manual_seed(12)
+    b, v = 3, 2048
+    logits, table = torch.randn(b, v, generator=g) * 3, torch.randn(v, 96, generator=g)
+    greedy, temperature, top_k = torch.tensor([True, False, False]), torch.full((b,), 0.9), torch.tensor([50, 50, 0])
+    seed, frame = torch.arange(b) + 1, torch.arange(b)
+    rows = torch.full((b, 2, 96), float("nan"))[:, 1]          # a strided view, as the predictor's x[:, 0] may be
+    got = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, 5, embed=(table, rows))
+    assert torch.equal(got, kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, 5))
+    assert torch.equal(rows, table[got])
 
 
 def test_sample_rows_takes_bf16_logits(kernels):

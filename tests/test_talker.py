@@ -83,9 +83,9 @@ def test_decode_steps_follow_golden_codes(talker, golden_npz, case):
 
 
 def greedy_sub_fn(params, frame, record):
-    def fn(logits, group):
+    def fn(logits, group, embed):
         record.append(logits)
-        return sample_subtalker(logits, group, frame, params)
+        return sample_subtalker(logits, group, frame, params, embed=embed)
     return fn
 
 

@@ -29,10 +29,10 @@
   gap after the one before. On Hopper and later the decode path's kernels are launched as programmatic
   dependents (`PDL`): the GPU starts each while the one before still runs, and it waits
   (griddepcontrol.wait) before reading or writing anything. A code-predictor step is such a chain
-  from end to end: its layers, output head, sampling and the next token's `embedding`. The weights a
-  `linear` streams do not depend on the kernel before it, nor do the keys and values `decode_attention`
-  reads from earlier steps, so each asks L2 for them before it waits: their read from memory overlaps
-  the kernel before instead of following it. A `linear` config may go further (`PRELOAD`): a narrow
+  from end to end: its layers, output head, and sampling (which writes the next token's embedding
+  as it picks). The weights a `linear` streams do not depend on the kernel before it, nor do the keys
+  and values `decode_attention` reads from earlier steps, so each asks L2 for them before it waits:
+  their read from memory overlaps the kernel before instead of following it. A `linear` config may go further (`PRELOAD`): a narrow
   column block loads its whole weight rows into registers before the wait, so that after it only x is
   read; the timing at warm-up decides per shape.
 - `stack_decode` (opt-in, `QWEN3_TTS_PERSISTENT=1`) runs a stack's whole decode forward up to 16 rows
@@ -522,27 +522,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.shape[-1]
     y = torch.empty_like(x)
     _rms_norm_kernel[(x.numel() // n,)](x, y, weight, n, eps, BLOCK=triton.next_power_of_2(n), **_pdl(x))
-    return y
-
-
-if triton is not None:
-    @triton.jit
-    def _embedding_kernel(ids_ptr, table_ptr, y_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        _dependent_launch_start(PDL)
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < N
-        token = tl.load(ids_ptr + row)
-        tl.store(y_ptr + row * N + cols, tl.load(table_ptr + token * N + cols, mask=mask), mask=mask)
-
-
-def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """table[ids] for ids [B] -> [B, N] in one kernel, launched like the decode path's others so that
-    a chain of dependent launches runs through a code-predictor step's token lookup unbroken."""
-    ids = ids.contiguous()
-    n = table.shape[1]
-    y = torch.empty(ids.numel(), n, dtype=table.dtype, device=table.device)
-    _embedding_kernel[(ids.numel(),)](ids, table, y, n, BLOCK=triton.next_power_of_2(n), **_pdl(table))
     return y
 
 
@@ -1598,9 +1577,10 @@ if triton is not None:
 
     @triton.jit
     def _sample_rows_kernel(logits_ptr, out_ptr, greedy_ptr, temperature_ptr, top_k_ptr, seed_ptr, frame_ptr,
-                            seen_ptr, penalty_ptr, min_new_ptr, codebook, V, stride_logits, stride_seen, eos,
-                            suppress_from, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PROCESS: tl.constexpr,
-                            PDL: tl.constexpr):
+                            seen_ptr, penalty_ptr, min_new_ptr, table_ptr, embed_ptr, codebook, V, stride_logits,
+                            stride_seen, eos, suppress_from, D, stride_embed, BLOCK: tl.constexpr,
+                            RADIX_BITS: tl.constexpr, PROCESS: tl.constexpr, EMBED: tl.constexpr,
+                            BLOCK_D: tl.constexpr, PDL: tl.constexpr):
         _dependent_launch_start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -1622,6 +1602,10 @@ if triton is not None:
             noise = _gumbel_noise(tl.load(seed_ptr + row), tl.load(frame_ptr + row), codebook, cols)
             pick = tl.argmax(warped.to(tl.float64) + noise, 0)
         tl.store(out_ptr + row, pick.to(tl.int64))
+        if EMBED:       # the pick's embedding: the next code-predictor step's input
+            d = tl.arange(0, BLOCK_D)
+            tl.store(embed_ptr + row * stride_embed + d, tl.load(table_ptr + pick.to(tl.int64) * D + d, mask=d < D),
+                     mask=d < D)
 
 
 SAMPLE_CONFIGS = [dict(num_warps=w, RADIX_BITS=r) for r in (8, 4) for w in (4, 8, 16, 2)]  # `sample_rows` times these
@@ -1641,26 +1625,34 @@ class TalkerProcessing(NamedTuple):
 
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 seed: torch.Tensor, frame: torch.Tensor, codebook: int, config: dict | None = None,
-                processing: TalkerProcessing | None = None) -> torch.Tensor:
+                processing: TalkerProcessing | None = None, embed: tuple | None = None) -> torch.Tensor:
     """`engine.sampling.sample` without top-p in one kernel: ids [B] of logits [B, V] (fp32, or bf16
     made fp32 as it is loaded: no cast kernel before it), after the talker's logits processor where
     `processing` is given (the ~10 elementwise kernels it was). The Gumbel noise of (seed, frame,
     codebook) is hashed in the kernel: as a [B, V] float64 tensor made by ~20 elementwise kernels a
-    codebook, it cost 8-12% of a decode step on an H200 (bench/README.md). config: one of
-    SAMPLE_CONFIGS; by default the fastest for these shapes, timed once on the GPU."""
+    codebook, it cost 8-12% of a decode step on an H200 (bench/README.md). embed = (table [V', D], out
+    [B, D]): each row's pick's table row is written to out as well (a code-predictor step's next input,
+    without a lookup kernel of its own). config: one of SAMPLE_CONFIGS; by default the fastest for these
+    shapes, timed once on the GPU."""
     b, v = logits.shape
     logits = logits.contiguous()
     out = torch.empty(b, dtype=torch.long, device=logits.device)
     p = processing or TalkerProcessing(greedy, temperature, top_k, 0, v)     # unread placeholders
+    table, rows = embed or (logits, logits)                                   # the same
+    if embed is not None and (rows.stride(-1) != 1 or table.stride(-1) != 1 or rows.shape[-1] != table.shape[1]):
+        raise ValueError(f"sample_rows: embed needs rows [B, D] and a table [V, D], got {tuple(rows.shape)} "
+                         f"and {tuple(table.shape)}")
 
     def launch(c, compile_only=False):
         _launch(_sample_rows_kernel, (b,),
-                (logits, out, greedy, temperature, top_k, seed, frame, p.seen, p.penalty, p.min_new_tokens, codebook,
-                 v, logits.stride(0), p.seen.stride(0), p.eos_id, p.suppress_from),
+                (logits, out, greedy, temperature, top_k, seed, frame, p.seen, p.penalty, p.min_new_tokens, table, rows,
+                 codebook, v, logits.stride(0), p.seen.stride(0), p.eos_id, p.suppress_from, table.shape[1],
+                 rows.stride(0)),
                 dict(BLOCK=triton.next_power_of_2(v), RADIX_BITS=c["RADIX_BITS"], PROCESS=processing is not None,
+                     EMBED=embed is not None, BLOCK_D=triton.next_power_of_2(table.shape[1]) if embed else 1,
                      num_warps=c["num_warps"], **_pdl(logits)), compile_only)
     # timed per power-of-two class of rows: one row is latency-bound, 256 fill the GPU (the graphs'
     # batch buckets meet every class at warm-up, before any eager call can)
-    key = ("sample_rows", v, b.bit_length()) + (("processed",) if processing else ())
+    key = ("sample_rows", v, b.bit_length()) + (("processed",) if processing else ()) + (("embed",) if embed else ())
     launch(config or _fastest(key, SAMPLE_CONFIGS, launch))
     return out

@@ -314,11 +314,6 @@ class DecoderStack(nn.Module):
             return linear(hidden, head.weight, None if normed else self.norm.weight, self.norm.eps)
         return head(hidden if normed else self.norm(hidden))
 
-    def embed(self, ids: torch.Tensor, table: nn.Embedding) -> torch.Tensor:
-        """A token embedding lookup ids [B] -> [B, D]: on the fused decode path a kernel launched like
-        the layers' (`kernels.embedding`), else the module."""
-        return kernels.embedding(ids, table.weight) if self.fused_decode else table(ids)
-
     def _decode(self, x, cache, start, kmax=None):
         """The layers of `forward` for decode steps (rows = slots 0..B-1, T <= 2): the same math in 5
         kernels a layer at up to 16 rows (10 beyond), the norms, gate and residual adds folded into the

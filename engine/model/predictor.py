@@ -16,7 +16,10 @@ from ..config import PredictorConfig
 from ..kv_cache import KVCache
 from .layers import DecoderStack
 
-SampleFn = Callable[[torch.Tensor, int], torch.Tensor]
+# A sampler's (table [V, D], out [B, D]): it writes table[ids] of its picks into out as well
+Embed = tuple[torch.Tensor, torch.Tensor]
+# sample_fn(logits, group, embed) -> ids (see `CodePredictor.predict`)
+SampleFn = Callable[[torch.Tensor, int, "Embed | None"], torch.Tensor]
 
 
 class PredictorModel(DecoderStack):
@@ -55,8 +58,10 @@ class CodePredictor(nn.Module):
         h: [B, D] the talker's final-normed hidden state at the position whose logits gave c0.
         c0_embed: [B, D] the TALKER codec embedding of c0 (`Talker.embed_codec(c0)`; see
           `Talker.predict_codes`, which does this for you).
-        sample_fn(logits [B, vocab] in the model's dtype, group) -> ids [B]: picks codebook `group`
-          (1..15); MODEL.md 6.3 samples them in fp32 (`engine.sampling.sample` casts them).
+        sample_fn(logits [B, vocab] in the model's dtype, group, embed) -> ids [B]: picks codebook
+          `group` (1..15); MODEL.md 6.3 samples them in fp32 (`engine.sampling.sample` casts them).
+          embed: None, or (the next step's codec embedding table, out [B, D]) for it to write the picks'
+          rows into (the fused sampling kernel does this as it picks: no lookup kernel of its own).
         cache: from `new_cache(n)` with n >= B, reused across frames; None allocates one.
         Step 1 runs the 2 positions [h, c0_embed] at positions 0, 1; step s runs CPE[s-1](c_{s-1})
         at position s. Positions restart at 0 every frame (MODEL.md 3.2).
@@ -71,9 +76,11 @@ class CodePredictor(nn.Module):
         for step in range(1, self.num_steps + 1):
             # the final norm of the one position the head reads, folded into the head's GEMM
             hidden = self.model(x, cache, start, kmax=step + 1, final_norm=False)
-            ids = sample_fn(self.model.head(hidden[:, -1], self.lm_head[step - 1], normed=False), step)
-            codes.append(ids)
-            if step < self.num_steps:
-                x = self.model.embed(ids, self.model.codec_embedding[step - 1])[:, None]
+            logits = self.model.head(hidden[:, -1], self.lm_head[step - 1], normed=False)
+            if step < self.num_steps:       # the sampler writes the next step's input, CPE[step-1](ids)
+                x = torch.empty_like(h)[:, None]
+                codes.append(sample_fn(logits, step, (self.model.codec_embedding[step - 1].weight, x[:, 0])))
                 start = positions[step + 1]
+            else:
+                codes.append(sample_fn(logits, step, None))
         return torch.stack(codes, dim=1)
