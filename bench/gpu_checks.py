@@ -344,7 +344,9 @@ def qkv_attention_one_launch_vs_two_kernels(model) -> dict:
             args = (x, attn.qkv_weight, norm.weight, norm.eps, attn.heads, attn.kv_heads, attn.q_norm.weight,
                     attn.k_norm.weight, attn.q_norm.eps, stack.inv_freq, cache, 0, start)
             results = {}
-            for config in [kernels.SEPARATE] + kernels.qkv_attention_configs(b * t, x.shape[-1], cache.head_dim, 2):
+            with mock.patch.object(kernels, "QKV_ATTENTION", True):        # opt-in: its configs
+                configs = kernels.qkv_attention_configs(b * t, x.shape[-1], cache.head_dim, 2)
+            for config in [kernels.SEPARATE] + configs:
                 cache.write(0, *kv, torch.zeros(b, dtype=torch.long, device=model.device))
                 outs = [kernels.qkv_attention(*args, config=config) for _ in range(1 if config == kernels.SEPARATE else 200)]
                 written = torch.cat(cache.read(0, b, capacity), dim=-1)

@@ -51,8 +51,10 @@ def main() -> None:
                       dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, PAGE=page, BLOCK_K=block_k, IEEE=dtype == "fp32",
                            PREFETCH=c["PREFETCH"], **(dict(SPLIT=c["SPLIT"]) if split else {})),
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
-        # the QKV projection and attention core in one launch: every config `qkv_attention` may time and
-        # pick at 1 and 16 rows (bf16; the first in fp32), for the talker and the code predictor's first step
+        # the QKV projection and attention core in one launch (opt-in): every config `qkv_attention` may
+        # time and pick at 1 and 16 rows (bf16; the first in fp32), for the talker and the code predictor's
+        # first step
+        k.QKV_ATTENTION = True
         for rows in (1, 16):
             for c in k.qkv_attention_configs(rows, 1024, 128, 2 if dtype == "bf16" else 4)[:None if dtype == "bf16" else 1]:
                 for t, page in ((1, 64), (2, 16)):

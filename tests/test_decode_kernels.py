@@ -84,17 +84,18 @@ def test_decode_attention_matches_the_plain_attention(kernels, t):
 def test_split_attention_matches_the_one_program_attention(kernels, t):
     """A row's keys cut over 2 or 4 programs a KV head, their softmax partials merged by the last to
     arrive, give what one program gives, with the same cache writes; rows whose later programs hold no
-    key included (one key; three blocks over four programs). The arrival counters are zero again
-    after every launch."""
+    key included (six blocks over four programs), and rows of fewer than SPLIT blocks, which one
+    program does whole (one key; 40 keys over 4 programs, but cut over 2). The arrival counters are
+    zero again after every launch."""
     torch.manual_seed(4)
-    heads, kv_heads, head_dim, b, cap = 4, 2, 32, 3, 40
+    heads, kv_heads, head_dim, b, cap = 4, 2, 32, 3, 80
     caches = [KVCache(1, b, cap, kv_heads, head_dim, torch.float32, "cpu", page_size=16, reserve_all=True,
                       separate_pages=True) for _ in range(2)]
     earlier = torch.randn(b, cap, kv_heads, head_dim), torch.randn(b, cap, kv_heads, head_dim)
     for c in caches:
         c.write(0, *earlier, torch.zeros(b, dtype=torch.long))
     qkv = torch.randn(b, t, (heads + 2 * kv_heads) * head_dim)
-    start = torch.tensor([0, 17, cap + 1 - t])       # 1 key (t = 1); 2 blocks of 16; the cache's end
+    start = torch.tensor([0, 39, cap + 1 - t])       # 1 key (t = 1); 3 blocks of 16; the cache's end
     w = torch.rand(head_dim) + 0.5
     args = (heads, kv_heads, w, w, 1e-6, rope_inv_freq(head_dim, 1e6))
     expected = kernels.decode_attention(qkv, *args, caches[0], 0, start, kernels.ATTENTION_CONFIGS[0])
@@ -126,8 +127,13 @@ def _qkv_attention_case(b: int, t: int, seed: int):
     return args, caches, start
 
 
+@pytest.fixture
+def one_launch_on(kernels, monkeypatch):
+    monkeypatch.setattr(kernels, "QKV_ATTENTION", True)         # QWEN3_TTS_QKV_ATTENTION=1
+
+
 @pytest.mark.parametrize("b,t", [(1, 1), (3, 2)])
-def test_qkv_attention_in_one_launch_matches_the_two_kernels(kernels, b, t):
+def test_qkv_attention_in_one_launch_matches_the_two_kernels(kernels, one_launch_on, b, t):
     """The QKV projection and the attention core in one launch (the last of a KV head's programs to
     finish its column block runs that head's attention for every row) give what `linear` then
     `decode_attention` give, with the same cache writes, for every config it may pick; the arrival
@@ -144,7 +150,7 @@ def test_qkv_attention_in_one_launch_matches_the_two_kernels(kernels, b, t):
         assert not kernels._arrival_counters(torch.device("cpu"), "qkv_attention", 2).any()
 
 
-def test_qkv_attention_takes_one_launch_only_where_timed_faster(kernels, timed_on_copies, monkeypatch):
+def test_qkv_attention_takes_one_launch_only_where_timed_faster(kernels, one_launch_on, timed_on_copies, monkeypatch):
     """The first call runs the two kernels (timing their configs), then times the one launch's configs
     over weight copies and a scratch cache's layers, and keeps the one launch where its time beats the
     sum of the two kernels' picks; a later call launches what was kept."""

@@ -17,9 +17,9 @@
   and the SwiGLU gate or the residual add after it: 5 kernels a layer. Past 16 rows the GEMMs are
   cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own and the residual add in
   addmm (which first copies the residual: 10 kernels a layer). `qkv_attention` may run the QKV GEMM
-  and the attention core as one launch: the last program to finish a KV head's columns runs that
-  head's attention (an arrival counter), saving the attention kernel's launch and wait where its work
-  is short (the code predictor's <= 16 keys); the timing at warm-up decides per shape.
+  and the attention core as one launch (opt-in, `QWEN3_TTS_QKV_ATTENTION=1`): the last program to
+  finish a KV head's columns runs that head's attention (an arrival counter), taken where the timing
+  at warm-up finds it faster than the two kernels (on an H100 it never was).
 - A frame's embedding for the next talker step (16 lookups in 16 tables, summed, plus the text
   term) was ~18 plain kernels a step; `embedding_sum` is one.
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
@@ -1018,7 +1018,9 @@ if triton is not None:
         read side by side instead of one after another. Every program writes the same new keys and
         values (so each reads back its own write), leaves its softmax partials in `part_ptr` and counts
         itself in at `counter_ptr`; the last to arrive merges the partials, writes the output and sets
-        the counter back to 0 for the next launch."""
+        the counter back to 0 for the next launch. A row of fewer than SPLIT blocks of keys is not cut:
+        its first program does it all as `_decode_attention_kernel` would, the others leave at once
+        (one kernel serves a graph's every length: the decode graphs have one kv bucket)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -1032,36 +1034,42 @@ if triton is not None:
                                HKV, D, PAGE, BLOCK_K)
         _dependent_launch_start(PDL)
         start = tl.load(start_ptr + b)
-        k_begin, k_end = _split_range(start, T, capacity, split, SPLIT, BLOCK_K)
-        q1, q2 = _new_keys_then_queries(qkv_ptr + b * stride_qkv_b, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr,
-                                        inv_freq_ptr, stride_qkv_t, capacity, eps, kvh, T, G, HQ, HKV, D, M, PAGE)
-        r = tl.arange(0, M)
-        d = tl.arange(0, D)
-        m_i, l_i, acc = _attend(q1, q2, start + r // G, k_cache, v_cache, pages, k_begin, k_end, scale,
-                                HKV, D, M, PAGE, BLOCK_K, IEEE)
-        # partials of (row, KV head): SPLIT x [M] maxima, [M] sums, [M, D] outputs, fp32
-        group = b * HKV + kvh
-        part = part_ptr + group * SPLIT * M * (D + 2)
-        tl.store(part + split * M + r, m_i)
-        tl.store(part + (SPLIT + split) * M + r, l_i)
-        tl.store(part + 2 * SPLIT * M + split * M * D + r[:, None] * D + d[None, :], acc)
-        tl.debug_barrier()                                     # the program's threads have all written
-        arrived = tl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:                               # the last: every partial is written
-            tl.debug_barrier()
-            tl.store(counter_ptr + group, 0)
-            m_all = tl.full([M], float("-inf"), tl.float32)
-            for s in tl.static_range(SPLIT):
-                m_all = tl.maximum(m_all, tl.load(part + s * M + r, cache_modifier=".cg"))
-            l_all = tl.zeros([M], tl.float32)
-            o = tl.zeros([M, D], tl.float32)
-            for s in tl.static_range(SPLIT):
-                w = tl.exp(tl.load(part + s * M + r, cache_modifier=".cg") - m_all)
-                w = tl.where(m_all == float("-inf"), 0.0, w)        # padding rows: no key at all
-                l_all += w * tl.load(part + (SPLIT + s) * M + r, cache_modifier=".cg")
-                o += w[:, None] * tl.load(part + 2 * SPLIT * M + s * M * D + r[:, None] * D + d[None, :],
-                                          cache_modifier=".cg")
-            _store_heads(out_ptr + b * stride_out_b, o / l_all[:, None], stride_out_t, kvh, T, G, D, M)
+        if tl.minimum(start + T, capacity + 1) < SPLIT * BLOCK_K:
+            if split == 0:
+                _attention_group(qkv_ptr + b * stride_qkv_b, out_ptr + b * stride_out_b, k_cache, v_cache, pages, start,
+                                 q_w_ptr, k_w_ptr, inv_freq_ptr, stride_qkv_t, stride_out_t, capacity, eps, scale, kvh,
+                                 T, G, HQ, HKV, D, M, PAGE, BLOCK_K, IEEE)
+        else:
+            k_begin, k_end = _split_range(start, T, capacity, split, SPLIT, BLOCK_K)
+            q1, q2 = _new_keys_then_queries(qkv_ptr + b * stride_qkv_b, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr,
+                                            inv_freq_ptr, stride_qkv_t, capacity, eps, kvh, T, G, HQ, HKV, D, M, PAGE)
+            r = tl.arange(0, M)
+            d = tl.arange(0, D)
+            m_i, l_i, acc = _attend(q1, q2, start + r // G, k_cache, v_cache, pages, k_begin, k_end, scale,
+                                    HKV, D, M, PAGE, BLOCK_K, IEEE)
+            # partials of (row, KV head): SPLIT x [M] maxima, [M] sums, [M, D] outputs, fp32
+            group = b * HKV + kvh
+            part = part_ptr + group * SPLIT * M * (D + 2)
+            tl.store(part + split * M + r, m_i)
+            tl.store(part + (SPLIT + split) * M + r, l_i)
+            tl.store(part + 2 * SPLIT * M + split * M * D + r[:, None] * D + d[None, :], acc)
+            tl.debug_barrier()                                     # the program's threads have all written
+            arrived = tl.atomic_add(counter_ptr + group, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT - 1:                               # the last: every partial is written
+                tl.debug_barrier()
+                tl.store(counter_ptr + group, 0)
+                m_all = tl.full([M], float("-inf"), tl.float32)
+                for s in tl.static_range(SPLIT):
+                    m_all = tl.maximum(m_all, tl.load(part + s * M + r, cache_modifier=".cg"))
+                l_all = tl.zeros([M], tl.float32)
+                o = tl.zeros([M, D], tl.float32)
+                for s in tl.static_range(SPLIT):
+                    w = tl.exp(tl.load(part + s * M + r, cache_modifier=".cg") - m_all)
+                    w = tl.where(m_all == float("-inf"), 0.0, w)        # padding rows: no key at all
+                    l_all += w * tl.load(part + (SPLIT + s) * M + r, cache_modifier=".cg")
+                    o += w[:, None] * tl.load(part + 2 * SPLIT * M + s * M * D + r[:, None] * D + d[None, :],
+                                              cache_modifier=".cg")
+                _store_heads(out_ptr + b * stride_out_b, o / l_all[:, None], stride_out_t, kvh, T, G, D, M)
 
 
     @triton.jit
@@ -1192,12 +1200,15 @@ def attention_timing_key(rows: int, t: int, heads: int, kv_heads: int, dtype: to
 
 # `qkv_attention` as two kernels, `linear`'s and `decode_attention`'s
 SEPARATE = dict(kernel="separate")
-QKV_ATTENTION = os.environ.get("QWEN3_TTS_QKV_ATTENTION", "1") != "0"
+# Opt-in (QWEN3_TTS_QKV_ATTENTION=1): on an H100 the one launch never timed faster than the two
+# kernels, at 1-8 rows, for the code predictor or the talker (call BV, bench/README.md), and timing it
+# lengthens the warm-up.
+QKV_ATTENTION = os.environ.get("QWEN3_TTS_QKV_ATTENTION", "0") == "1"
 
 
 def qkv_attention_configs(rows: int, k: int, head_dim: int, element_size: int) -> list[dict]:
     """The one-launch configs `qkv_attention` times: `linear`'s preloaded configs for these rows whose
-    column blocks lie in one head (QWEN3_TTS_QKV_ATTENTION=0: none)."""
+    column blocks lie in one head (none unless QWEN3_TTS_QKV_ATTENTION=1)."""
     return [c for c in linear_configs(rows, k, False, element_size)
             if QKV_ATTENTION and c.get("PRELOAD") and head_dim % c["BLOCK_N"] == 0]
 
