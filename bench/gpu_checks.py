@@ -168,9 +168,11 @@ def kv_pages_come_and_go(model) -> dict:
 
 def fused_sampling_vs_plain(model) -> dict:
     """`kernels.sample_rows` draws the same ids as the plain ops (noise from `gumbel_noise`) for 256
-    sampled rows of every codebook of a frame: the in-kernel hash and float64 logs follow the plain ones."""
+    sampled rows of every codebook of a frame: the in-kernel hash and float64 logs follow the plain ones;
+    for the talker's codebook with its logits processor folded in (against `TalkerLogitsProcessor`'s
+    ops), and for the code predictor's with the picks' embeddings written (against a lookup)."""
     from engine.model import kernels
-    from engine.sampling import gumbel_noise, sample
+    from engine.sampling import TalkerLogitsProcessor, gumbel_noise, sample
     dev, b = model.device, 256
     g = torch.Generator(device=dev).manual_seed(2)
     seed = torch.randint(0, 1 << 62, (b,), device=dev, generator=g)
@@ -185,6 +187,24 @@ def fused_sampling_vs_plain(model) -> dict:
         plain = sample(logits, greedy, temperature, top_k, top_p, seed, frame, codebook, top_p_any=True,
                        noise=gumbel_noise(seed, frame, codebook, v))
         fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook)
+        same += int((plain == fused).sum())
+        total += b
+        if codebook == 0:       # the talker's processor: penalty on seen ids, EOS before min_new_tokens, suppression
+            processor = TalkerLogitsProcessor(v, v - 1000, dev)
+            seen = torch.rand(b, v, device=dev, generator=g) < 0.2
+            penalty = torch.full((b,), 1.3, device=dev)
+            min_new = torch.randint(0, 8000, (b,), device=dev, generator=g)
+            plain = sample(processor(logits, seen, frame, penalty, min_new), greedy, temperature, top_k, top_p, seed,
+                           frame, codebook, top_p_any=True, noise=gumbel_noise(seed, frame, codebook, v))
+            fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook,
+                                        processing=kernels.TalkerProcessing(seen, penalty, min_new, processor.eos_id,
+                                                                            processor.suppress_from))
+        else:                   # the next step's input written as the code predictor's sampler picks
+            table = torch.randn(v, 1024, device=dev, generator=g).to(model.dtype)
+            rows = torch.empty(b, 1024, device=dev, dtype=model.dtype)
+            fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook, embed=(table, rows))
+            same += int((rows == table[fused]).all(dim=1).sum())
+            total += b
         same += int((plain == fused).sum())
         total += b
     return dict(check="fused_sampling_vs_plain", same_ids=same / total, ok=same == total)
