@@ -107,7 +107,8 @@ def main() -> None:
 
     # what a server's start costs: graph captures, and on a fresh machine Triton's compiles
     emit_row(dict(kind="warmup", graphs=graphs, seconds=round(warmup_s, 1), triton_compiles=kernels.compiles,
-                  picked={" ".join(map(str, key)): config for key, config in kernels._fastest_config.items()}))
+                  picked={" ".join(map(str, key)): config for key, config in kernels._fastest_config.items()},
+                  picked_us={" ".join(map(str, key)): round(1000 * ms, 2) for key, ms in kernels._fastest_time.items()}))
 
     def emit_memory(when: str) -> None:
         """GPU memory with no session running: PyTorch's tensors, its allocator's total, the talker

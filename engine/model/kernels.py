@@ -1225,7 +1225,6 @@ def qkv_attention(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tens
     theirs: a kernel replayed after itself is timed with its launch and wait, which the one launch saves
     once. Until timed (the first call, elsewhere than on a GPU, in a graph's capture) it is the two."""
     b, t, k = x.shape
-    head_dim = cache.head_dim
     key = ("qkv_attention", b, t, k, heads, kv_heads, x.dtype, cache.capacity, cache.page_size, _timing_keys(cache, kmax))
     config = config or _fastest_config.get(key)
     if config is None or config == SEPARATE:
@@ -1239,11 +1238,11 @@ def qkv_attention(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tens
                                                          k_norm_weight, qk_eps, inv_freq, cache, start, kmax, separate)
         return out
     return _qkv_attention_launch(config, x, weight, norm_weight, eps, heads, kv_heads, q_norm_weight, k_norm_weight,
-                                 qk_eps, inv_freq, cache, layer, start, kmax)
+                                 qk_eps, inv_freq, cache, layer, start)
 
 
 def _qkv_attention_launch(config, x, weight, norm_weight, eps, heads, kv_heads, q_norm_weight, k_norm_weight, qk_eps,
-                          inv_freq, cache, layer, start, kmax, compile_only=False) -> torch.Tensor:
+                          inv_freq, cache, layer, start, compile_only=False) -> torch.Tensor:
     """`_qkv_attention_kernel` with one of `qkv_attention_configs`."""
     b, t, k = x.shape
     head_dim = cache.head_dim
@@ -1285,7 +1284,7 @@ def _one_launch_if_faster(key, x, weight, norm_weight, eps, heads, kv_heads, q_n
 
     def launch(c, compile_only=False, weight=weight, layer=0):
         _qkv_attention_launch(c, x, weight, norm_weight, eps, heads, kv_heads, q_norm_weight, k_norm_weight, qk_eps,
-                              inv_freq, scratch, layer, scratch_start, kmax, compile_only)
+                              inv_freq, scratch, layer, scratch_start, compile_only)
 
     def copies():
         return [functools.partial(launch, weight=w, layer=i) for i, w in enumerate(weights)]
