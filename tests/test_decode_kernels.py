@@ -445,16 +445,19 @@ def test_linear_times_its_configs_on_copies_of_its_weights(kernels, timed_on_cop
 
 
 def test_attention_is_timed_for_the_calls_longest_rows(kernels, timed_on_copies):
-    """The configs are timed on scratch rows as long as the call's kmax (a decode graph's kv bucket;
-    at least ATTENTION_TIMING_MIN_KEYS, ATTENTION_TIMING_KEYS when not told, at most the capacity),
-    each length on its own: a row's keys split over programs pay only for long rows."""
-    cache = KVCache(1, 1, 300, 2, 32, torch.float32, "cpu", page_size=16, reserve_all=True, separate_pages=True)
-    qkv, w = torch.randn(1, 1, 8 * 32), torch.ones(32)
-    for kmax, keys in ((None, 256), (64, 128), (200, 200), (1000, 300)):
-        kernels.decode_attention(qkv, 4, 2, w, w, 1e-6, rope_inv_freq(32, 1e6), cache, 0, torch.tensor([3]),
-                                 kmax=kmax)
-        assert timed_on_copies["launches"][-1][0].keywords["cache"].capacity == keys
-    assert len(timed_on_copies["launches"]) == 4 * len(kernels.ATTENTION_CONFIGS)
+    """The configs are timed on scratch rows as long as the call's kmax (an eager decode's kv bucket;
+    at least ATTENTION_TIMING_MIN_KEYS, ATTENTION_TIMING_KEYS when not told, at most
+    ATTENTION_TIMING_MAX_KEYS and the capacity: the decode graphs' one bucket is the capacity), each
+    length on its own: a row's keys split over programs pay only for long rows."""
+    for capacity, cases in ((300, ((None, 256), (64, 128), (200, 200), (1000, 300))), (8448, ((8448, 512),))):
+        cache = KVCache(1, 1, capacity, 2, 32, torch.float32, "cpu", page_size=16, reserve_all=True,
+                        separate_pages=True)
+        qkv, w = torch.randn(1, 1, 8 * 32), torch.ones(32)
+        for kmax, keys in cases:
+            kernels.decode_attention(qkv, 4, 2, w, w, 1e-6, rope_inv_freq(32, 1e6), cache, 0, torch.tensor([3]),
+                                     kmax=kmax)
+            assert timed_on_copies["launches"][-1][0].keywords["cache"].capacity == keys
+    assert len(timed_on_copies["launches"]) == 5 * len(kernels.ATTENTION_CONFIGS)
 
 
 def test_attention_times_its_configs_on_scratch_layers(kernels, timed_on_copies):

@@ -1121,7 +1121,11 @@ ATTENTION_CONFIGS = [dict(BLOCK_K=k, num_warps=w, num_stages=st, PREFETCH=p, SPL
 ATTENTION_CONFIGS += [dict(BLOCK_K=k, num_warps=4, num_stages=3, PREFETCH=True, SPLIT=split)
                       for split in (2, 4) for k in (64, 32)]
 ATTENTION_TIMING_KEYS = 256      # live keys per row on the scratch cache the configs are timed on, unless told
-ATTENTION_TIMING_MIN_KEYS = 128  # ... and at least (the decode graphs' smallest kv bucket)
+ATTENTION_TIMING_MIN_KEYS = 128  # ... and at least (the eager decode's smallest kv bucket)
+# ... and at most: the decode graphs have one kv bucket, the capacity (8,448 positions by default), and
+# 256 rows of that many keys would be 8.9 GB of scratch cache at warm-up, at lengths a turn seldom reaches
+# (rows shorter than a split config's blocks run whole: `_split_attention_kernel`)
+ATTENTION_TIMING_MAX_KEYS = 512
 
 
 def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
@@ -1136,10 +1140,11 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     each query attends causally over keys 0 .. its own position. Reads exactly the row's live keys:
     no mask, no kv bucket.
     config: one of ATTENTION_CONFIGS; by default the fastest for these shapes, timed once on the GPU on
-    a scratch cache of `kmax` keys a row (the most a row holds in this call: a decode graph's kv
-    bucket; ATTENTION_TIMING_KEYS when not told; the live lengths at warm-up say nothing of the load,
-    and timing must not write into live rows) with as many layers as overflow L2, read one after
-    another as a decode step does. Splitting a row's keys over programs pays only for long rows.
+    a scratch cache of `kmax` keys a row (the most a row holds in this call: an eager decode's kv
+    bucket, within ATTENTION_TIMING_MIN_KEYS .. ATTENTION_TIMING_MAX_KEYS; ATTENTION_TIMING_KEYS when
+    not told; the live lengths at warm-up say nothing of the load, and timing must not write into live
+    rows) with as many layers as overflow L2, read one after another as a decode step does. Splitting a
+    row's keys over programs pays only for long rows.
     """
     b, t, width = qkv.shape
     head_dim, page = cache.head_dim, cache.page_size
@@ -1303,7 +1308,7 @@ def _arrival_counters(device: torch.device, kernel: str, n: int) -> torch.Tensor
 
 def _timing_keys(cache, kmax: int | None = None) -> int:
     """Live keys a row of `_timing_cache` holds for a call whose rows hold up to kmax keys."""
-    return min(max(kmax or ATTENTION_TIMING_KEYS, ATTENTION_TIMING_MIN_KEYS), cache.capacity)
+    return min(max(kmax or ATTENTION_TIMING_KEYS, ATTENTION_TIMING_MIN_KEYS), ATTENTION_TIMING_MAX_KEYS, cache.capacity)
 
 
 def _timing_cache(cache, layers: int, rows: int, t: int, start: torch.Tensor, keys: int):
