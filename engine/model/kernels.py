@@ -32,9 +32,9 @@
   from end to end: its layers, output head, and sampling (which writes the next token's embedding
   as it picks). The weights a `linear` streams do not depend on the kernel before it, nor do the keys
   and values `decode_attention` reads from earlier steps, so each asks L2 for them before it waits:
-  their read from memory overlaps the kernel before instead of following it. A `linear` config may go further (`PRELOAD`): a narrow
-  column block loads its whole weight rows into registers before the wait, so that after it only x is
-  read; the timing at warm-up decides per shape.
+  their read from memory overlaps the kernel before instead of following it. A `linear` config may go
+  further (`PRELOAD`): a narrow column block loads its whole weight rows into registers before the
+  wait, so that after it only x is read; the timing at warm-up decides per shape.
 - `stack_decode` (opt-in, `QWEN3_TTS_PERSISTENT=1`) runs a stack's whole decode forward up to 16 rows
   as one persistent launch: the same GEMM and attention code dealt out over one program an SM, a grid
   barrier between a layer's steps. It computes what the layer kernels compute but was not faster on
@@ -1128,6 +1128,18 @@ ATTENTION_TIMING_MIN_KEYS = 128  # ... and at least (the eager decode's smallest
 ATTENTION_TIMING_MAX_KEYS = 512
 
 
+def _query_rows(t: int, heads: int, kv_heads: int) -> int:
+    """Rows of an attention program's query tile: a KV head's query heads at each of t positions,
+    padded to a power of two of at least 16 (a tensor-core tile)."""
+    return max(16, triton.next_power_of_2(t * heads // kv_heads))
+
+
+def _key_block(cache, most: int) -> int:
+    """Keys an attention program reads a block: at most `most`, within one page, no more than the
+    cache holds (rounded up to a power of two), and at least a tensor-core tile (16)."""
+    return max(16, min(most, triton.next_power_of_2(cache.capacity), cache.page_size))
+
+
 def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
                      k_norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, cache, layer: int,
                      start: torch.Tensor, config: dict | None = None, kmax: int | None = None) -> torch.Tensor:
@@ -1154,10 +1166,10 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
                          f"cache of {cache.kv_heads} x {head_dim}, pages of {page}")
     qkv = qkv.contiguous()
     out = torch.empty(b, t, heads * head_dim, dtype=qkv.dtype, device=qkv.device)
-    m = max(16, triton.next_power_of_2(t * heads // kv_heads))
+    m = _query_rows(t, heads, kv_heads)
 
     def launch(c, cache=cache, layer=layer, start=start, out=out, compile_only=False):
-        block = max(16, min(c["BLOCK_K"], triton.next_power_of_2(cache.capacity), cache.page_size))
+        block = _key_block(cache, c["BLOCK_K"])
         k_offset, v_offset = cache.layer_offsets(layer)
         args = (qkv, out, cache.anchor, cache.table, start, q_norm_weight, k_norm_weight, inv_freq,
                 qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), cache.table.stride(0),
@@ -1170,7 +1182,8 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
         else:
             parts = torch.empty(b * kv_heads * c["SPLIT"] * m * (head_dim + 2), dtype=torch.float32, device=qkv.device)
             _launch(_split_attention_kernel, (b, kv_heads, c["SPLIT"]),
-                    args[:2] + (parts, _arrival_counters(qkv.device, f"split attention, {t} positions", b * kv_heads)) + args[2:],
+                    args[:2] + (parts, _arrival_counters(qkv.device, f"split attention, {t} positions", b * kv_heads))
+                    + args[2:],
                     dict(options, SPLIT=c["SPLIT"]), compile_only)
 
     keys = _timing_keys(cache, kmax)
@@ -1265,8 +1278,7 @@ def _qkv_attention_launch(config, x, weight, norm_weight, eps, heads, kv_heads, 
              cache.table, start, q_norm_weight, k_norm_weight, inv_freq, b, k, eps, cache.table.stride(0), k_offset,
              v_offset, cache.capacity, qk_eps, head_dim ** -0.5),
             dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
-                 M=max(16, triton.next_power_of_2(t * heads // kv_heads)), PAGE=cache.page_size,
-                 BLOCK_KEYS=max(16, min(64, triton.next_power_of_2(cache.capacity), cache.page_size)),
+                 M=_query_rows(t, heads, kv_heads), PAGE=cache.page_size, BLOCK_KEYS=_key_block(cache, 64),
                  BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=triton.next_power_of_2(k),
                  DOT=dot, IEEE=x.dtype == torch.float32, PRELOAD=True, num_warps=config["num_warps"],
                  num_stages=config["num_stages"], **_pdl(x, prefetch=False)), compile_only)
@@ -1474,14 +1486,14 @@ def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start:
     width = lambda n, c: _phase_width(n, programs, c["DOT"])  # noqa: E731
 
     def launch(c, cache=cache, start=start, compile_only=False):
-        block_kv = max(16, min(64, triton.next_power_of_2(cache.capacity), cache.page_size))
+        block_kv = _key_block(cache, 64)
         _launch(_stack_decode_kernel, (programs,),
                 (x, h, qkv, attn, act, stacked.barrier, stacked.qkv, stacked.o, stacked.gate_up, stacked.down,
                  stacked.input_norm, stacked.post_norm, stacked.q_norm, stacked.k_norm, inv_freq,
                  cache.anchor, cache.table, start, cache.table.stride(0), cache.layer_offsets(1)[0],
                  cache.capacity, b, layers, dm, inter, stacked.eps, head_dim ** -0.5),
                 dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
-                     M_ATT=max(16, triton.next_power_of_2(t * heads // kv_heads)), PAGE=cache.page_size,
+                     M_ATT=_query_rows(t, heads, kv_heads), PAGE=cache.page_size,
                      BLOCK_KV=block_kv, BLOCK_M=16 if c["DOT"] else GEMV_ROWS, BLOCK_K=c["BLOCK_K"],
                      BN_QKV=width(qkv.shape[1], c), BN_O=width(dm, c), BN_GATE_UP=width(inter, c),
                      BN_DOWN=width(dm, c), DOT=c["DOT"], IEEE=x.dtype == torch.float32,
