@@ -366,9 +366,10 @@ log = logging.getLogger(__name__)
 PARALLEL_COMPILE = os.environ.get("QWEN3_TTS_PARALLEL_COMPILE", "1") != "0"
 
 
-def _fastest(key, configs: list[dict], launch, copies=None) -> dict:
+def _fastest(key, configs: list[dict], launch, copies=None, off_gpu: dict | None = None) -> dict:
     """The fastest launch config of a kernel for `key` (its shapes), timed once on the GPU; the first
-    config elsewhere and while a CUDA graph is being captured.
+    config while a CUDA graph is being captured, and elsewhere (`off_gpu` where given: in Triton's
+    interpreter, which runs a grid's programs one after another in Python, the fewer the better).
     launch(config, compile_only=False): runs the kernel with that config, or only compiles it.
     copies(): launch functions like `launch` over copies of what the kernel streams from memory (its
     weights, a cache's layers), together more than L2 holds: with them the configs are timed as a CUDA
@@ -377,7 +378,9 @@ def _fastest(key, configs: list[dict], launch, copies=None) -> dict:
     by `triton.testing.do_bench`, which flushes L2 between runs."""
     best = _fastest_config.get(key)
     if best is None:
-        if not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
+        if not torch.cuda.is_available():
+            return off_gpu or configs[0]
+        if torch.cuda.is_current_stream_capturing():
             return configs[0]
         _compile_candidates(configs, launch)
         if copies is None:
@@ -759,6 +762,14 @@ def linear_configs(rows: int, k: int, gated: bool = False, element_size: int = 2
     return configs
 
 
+def _whole_width_config(rows: int, n: int, k: int) -> dict:
+    """One program for all N columns (up to 4096 a program): in Triton's interpreter a grid's programs
+    run one after another, ~15 ms each, and a 16-column config made the tiny model's code-predictor
+    head (2048 columns) 128 of them, 2 s a call."""
+    return dict(kernel="gemv" if rows <= GEMV_ROWS else "dot", BLOCK_N=min(4096, triton.next_power_of_2(n)),
+                BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=4, num_stages=1)
+
+
 def _preload_fits(config: dict, k: int, gated: bool, element_size: int) -> bool:
     """Whether a PRELOAD config's registers hold its block's weight rows (gate and up rows when gated)
     and x's rows, K padded to a power of two, within PRELOAD_THREAD_BYTES a thread."""
@@ -804,7 +815,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
         return [launch] + [functools.partial(launch, weight=weight.clone()) for _ in range(count - 1)]
 
     key = linear_timing_key(rows, n, k, x.dtype, norm_weight is not None, gated, r2 is not None)
-    launch(_fastest(key, linear_configs(rows, k, gated, weight.element_size()), launch, copies))
+    launch(_fastest(key, linear_configs(rows, k, gated, weight.element_size()), launch, copies,
+                    off_gpu=_whole_width_config(rows, n, k)))
     return y.view(*x.shape[:-1], n)
 
 
