@@ -384,6 +384,17 @@ def test_skinny_linear_matches_the_separate_ops(kernels, rows, epilogue):
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=str(config))
 
 
+def test_off_the_gpu_linear_runs_one_program_for_all_columns(kernels, monkeypatch):
+    """Triton's interpreter runs a grid's programs one after another (~16 ms each): off the GPU `linear`
+    takes a config whose one program covers the 2,048 columns of a code-predictor head."""
+    grids, launch = [], kernels._launch
+    monkeypatch.setattr(kernels, "_launch", lambda kernel, grid, *args: (grids.append(grid), launch(kernel, grid, *args)))
+    for rows in (1, 3):
+        x, w = torch.randn(rows, 32), torch.randn(2048, 32)
+        torch.testing.assert_close(kernels.linear(x, w), x @ w.T, atol=1e-4, rtol=1e-4)
+    assert grids == [(1,), (1,)]
+
+
 def test_a_config_that_does_not_build_is_passed_over(kernels, monkeypatch, caplog):
     """A candidate this GPU cannot build (shared memory, ptxas, a compile error on an architecture the
     configs were not tested on) times as infinite, with a warning, and the warm-up picks among the

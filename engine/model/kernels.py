@@ -764,7 +764,7 @@ def linear_configs(rows: int, k: int, gated: bool = False, element_size: int = 2
 
 def _whole_width_config(rows: int, n: int, k: int) -> dict:
     """One program for all N columns (up to 4096 a program): in Triton's interpreter a grid's programs
-    run one after another, ~15 ms each, and a 16-column config made the tiny model's code-predictor
+    run one after another, ~16 ms each, and a 16-column config made the tiny model's code-predictor
     head (2048 columns) 128 of them, 2 s a call."""
     return dict(kernel="gemv" if rows <= GEMV_ROWS else "dot", BLOCK_N=min(4096, triton.next_power_of_2(n)),
                 BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=4, num_stages=1)
