@@ -55,7 +55,7 @@ if has throughput; then
   done
 fi
 if has checks; then
-  timeout 200 python3 -m bench.gpu_checks --model-dir "$MODEL" --out "$R" > "$OUTD/checks.log" 2>&1
+  timeout 200 python3 -m bench.gpu_checks --model-dir "$MODEL" ${CHECKS:+--only $CHECKS} --out "$R" > "$OUTD/checks.log" 2>&1
   echo "checks rc=$? at $((SECONDS-t0)) s"
 fi
 # MEMORY_VARIANTS: environment settings to measure the memory under in turn, as VARIANTS (each row tagged)
