@@ -855,27 +855,54 @@ if triton is not None:
         return x1 * c - x2 * s, x2 * c + x1 * s
 
     @triton.jit
-    def _write_new_kv(qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq, stride_qkv_t, capacity, eps, kvh,
-                      T: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
-        """KV head kvh's T new keys (RMS-normed, rotated) and values to the cache (positions past the
-        capacity land in the scratch page)."""
+    def _new_kv(qkv, start, k_w_ptr, inv_freq, stride_qkv_t, eps, kvh, t, dtype: tl.constexpr,
+                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
+        """KV head kvh's key at new position t (RMS-normed, rotated; two halves) and value, in the
+        cache's dtype, as the cache will hold them."""
+        HALF: tl.constexpr = D // 2
+        i = tl.arange(0, HALF)
+        src = qkv + t * stride_qkv_t + (HQ + kvh) * D
+        k1 = tl.load(src + i).to(tl.float32)
+        k2 = tl.load(src + HALF + i).to(tl.float32)
+        v = tl.load(qkv + t * stride_qkv_t + (HQ + HKV + kvh) * D + tl.arange(0, D))
+        inv = tl.rsqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + eps)
+        k1 = k1 * inv * tl.load(k_w_ptr + i).to(tl.float32)
+        k2 = k2 * inv * tl.load(k_w_ptr + HALF + i).to(tl.float32)
+        r1, r2 = _rope(k1, k2, (start + t).to(tl.float32), inv_freq, dtype)
+        return r1.to(dtype), r2.to(dtype), v.to(dtype)
+
+    @triton.jit
+    def _attend_new_keys(q1, q2, m_i, l_i, acc, qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq,
+                         stride_qkv_t, capacity, eps, scale, kvh, WRITE: tl.constexpr, T: tl.constexpr,
+                         G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
+                         PAGE: tl.constexpr):
+        """`_attend`'s online softmax carried over KV head kvh's T new keys, taken from qkv (normed and
+        rotated here) rather than read back from the cache: no store waits for its load. Query row r
+        (position start + r // G) sees the new keys up to its own. WRITE: the keys and values go to
+        the cache as well (positions past the capacity land in the scratch page)."""
         HALF: tl.constexpr = D // 2
         dtype = k_cache.dtype.element_ty
         i = tl.arange(0, HALF)
         d = tl.arange(0, D)
-        kw1 = tl.load(k_w_ptr + i).to(tl.float32)
-        kw2 = tl.load(k_w_ptr + HALF + i).to(tl.float32)
+        r = tl.arange(0, M)
         for t in tl.static_range(T):
-            src = qkv + t * stride_qkv_t + (HQ + kvh) * D
-            k1 = tl.load(src + i).to(tl.float32)
-            k2 = tl.load(src + HALF + i).to(tl.float32)
-            inv = tl.rsqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + eps)
-            r1, r2 = _rope(k1 * inv * kw1, k2 * inv * kw2, (start + t).to(tl.float32), inv_freq, dtype)
-            pos = tl.minimum(start + t, capacity)
-            dst = tl.multiple_of(tl.load(pages + pos // PAGE) + (pos % PAGE) * (HKV * D), 16)
-            tl.store(k_cache + dst + i, r1.to(dtype))
-            tl.store(k_cache + dst + HALF + i, r2.to(dtype))
-            tl.store(v_cache + dst + d, tl.load(qkv + t * stride_qkv_t + (HQ + HKV + kvh) * D + d))
+            k1, k2, v = _new_kv(qkv, start, k_w_ptr, inv_freq, stride_qkv_t, eps, kvh, t, dtype, HQ, HKV, D)
+            if WRITE:
+                pos = tl.minimum(start + t, capacity)
+                dst = tl.multiple_of(tl.load(pages + pos // PAGE) + (pos % PAGE) * (HKV * D), 16)
+                tl.store(k_cache + dst + i, k1)
+                tl.store(k_cache + dst + HALF + i, k2)
+                tl.store(v_cache + dst + d, v)
+            s = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32)[None, :], 1)
+                 + tl.sum(q2.to(tl.float32) * k2.to(tl.float32)[None, :], 1))
+            s = tl.where(r // G >= t, s * scale, float("-inf"))     # key t: the rows of positions from t on
+            m_new = tl.maximum(m_i, s)
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p.to(dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
+            m_i = m_new
+        return m_i, l_i, acc
 
     @triton.jit
     def _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, dtype: tl.constexpr,
@@ -898,12 +925,12 @@ if triton is not None:
         return q1.to(dtype), q2.to(dtype)
 
     @triton.jit
-    def _attend(q1, q2, last, k_cache, v_cache, pages, k_begin, k_end, scale,
+    def _attend(q1, q2, k_cache, v_cache, pages, k_begin, k_end, scale,
                 HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr,
                 IEEE: tl.constexpr):
-        """Online softmax of the M query rows over keys k_begin .. k_end-1 (k_begin a multiple of
-        BLOCK_K), each row causally up to its position `last`: the running max, the sum of exp and the
-        unnormalised output [M, D], all fp32."""
+        """Online softmax of the M query rows over cached keys k_begin .. k_end-1 (k_begin a multiple
+        of BLOCK_K), all of them before every row's position: the running max, the sum of exp and the
+        unnormalised output [M, D], all fp32 (-inf, 0, 0 when the range is empty)."""
         HALF: tl.constexpr = D // 2
         dtype = k_cache.dtype.element_ty
         i = tl.arange(0, HALF)
@@ -927,7 +954,7 @@ if triton is not None:
                      + tl.dot(q2, tl.trans(keys2), input_precision="ieee"))
             else:
                 s = tl.dot(q1, tl.trans(keys1)) + tl.dot(q2, tl.trans(keys2))
-            s = tl.where((idx[None, :] <= last[:, None]) & in_range[None, :], s * scale, float("-inf"))
+            s = tl.where(in_range[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -949,32 +976,22 @@ if triton is not None:
         tl.store(dst, o.to(out.dtype.element_ty), mask=(r < T * G)[:, None])
 
     @triton.jit
-    def _new_keys_then_queries(qkv, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr, stride_qkv_t,
-                               capacity, eps, kvh, T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr,
-                               HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr, PAGE: tl.constexpr):
-        """KV head kvh's new keys and values to the cache (every key is then read back from it), and
-        its `_group_queries`."""
-        inv_freq = tl.load(inv_freq_ptr + tl.arange(0, D // 2))
-        _write_new_kv(qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq, stride_qkv_t, capacity, eps, kvh,
-                      T, HQ, HKV, D, PAGE)
-        tl.debug_barrier()
-        return _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, k_cache.dtype.element_ty,
-                              T, G, D, M)
-
-    @triton.jit
     def _attention_group(qkv, out, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr,
                          stride_qkv_t, stride_out_t, capacity, eps, scale, kvh,
                          T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                          M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        """KV head kvh of one row: its T new keys (normed, rotated) and values to the cache, then its G
-        query heads at each of the T positions attend causally over the row's keys. qkv, out: the row's
-        [T, ...] projections and output; k_cache, v_cache: the layer's K and V of head kvh in a page;
-        pages: the row's page offsets from them; start: the row's first new position."""
-        q1, q2 = _new_keys_then_queries(qkv, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr,
-                                        stride_qkv_t, capacity, eps, kvh, T, G, HQ, HKV, D, M, PAGE)
-        last = start + tl.arange(0, M) // G
-        m_i, l_i, acc = _attend(q1, q2, last, k_cache, v_cache, pages, 0, tl.minimum(start + T, capacity + 1),
-                                scale, HKV, D, M, PAGE, BLOCK_K, IEEE)
+        """KV head kvh of one row: its G query heads at each of the T new positions attend causally
+        over the row's cached keys and the T new ones (normed and rotated from qkv, and written to the
+        cache). qkv, out: the row's [T, ...] projections and output; k_cache, v_cache: the layer's K
+        and V of head kvh in a page; pages: the row's page offsets from them; start: the row's first
+        new position."""
+        inv_freq = tl.load(inv_freq_ptr + tl.arange(0, D // 2))
+        q1, q2 = _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, k_cache.dtype.element_ty,
+                                T, G, D, M)
+        m_i, l_i, acc = _attend(q1, q2, k_cache, v_cache, pages, 0, tl.minimum(start, capacity), scale,
+                                HKV, D, M, PAGE, BLOCK_K, IEEE)
+        m_i, l_i, acc = _attend_new_keys(q1, q2, m_i, l_i, acc, qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq,
+                                         stride_qkv_t, capacity, eps, scale, kvh, True, T, G, HQ, HKV, D, M, PAGE)
         _store_heads(out, acc / l_i[:, None], stride_out_t, kvh, T, G, D, M)
 
     @triton.jit
@@ -1010,12 +1027,11 @@ if triton is not None:
                          capacity, eps, scale, kvh, T, G, HQ, HKV, D, M, PAGE, BLOCK_K, IEEE)
 
     @triton.jit
-    def _split_range(start, T: tl.constexpr, capacity, split, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Keys [k_begin, k_end) of program `split` of SPLIT for a row whose new positions start at
-        `start`: whole blocks, as even a share as they allow (later programs may get none)."""
-        end = tl.minimum(start + T, capacity + 1)
-        per = tl.cdiv(tl.cdiv(end, BLOCK_K), SPLIT) * BLOCK_K
-        return split * per, tl.minimum(end, split * per + per)
+    def _split_range(cached, split, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Cached keys [k_begin, k_end) of program `split` of SPLIT for a row of `cached` keys before its
+        new positions: whole blocks, as even a share as they allow (later programs may get none)."""
+        per = tl.cdiv(tl.cdiv(cached, BLOCK_K), SPLIT) * BLOCK_K
+        return split * per, tl.minimum(cached, split * per + per)
 
     @triton.jit
     def _split_attention_kernel(
@@ -1027,10 +1043,10 @@ if triton is not None:
             PREFETCH: tl.constexpr, SPLIT: tl.constexpr):
         """`_attention_group` of row program_id(0), KV head program_id(1) with its keys cut in SPLIT
         ranges of whole blocks, one a program (program_id(2)): at a few rows, a long context's blocks are
-        read side by side instead of one after another. Every program writes the same new keys and
-        values (so each reads back its own write), leaves its softmax partials in `part_ptr` and counts
+        read side by side instead of one after another. The first program takes the new keys as well
+        (and writes them to the cache). Every program leaves its softmax partials in `part_ptr` and counts
         itself in at `counter_ptr`; the last to arrive merges the partials, writes the output and sets
-        the counter back to 0 for the next launch. A row of fewer than SPLIT blocks of keys is not cut:
+        the counter back to 0 for the next launch. A row of fewer than SPLIT blocks of cached keys is not cut:
         its first program does it all as `_decode_attention_kernel` would, the others leave at once
         (one kernel serves a graph's every length: the decode graphs have one kv bucket)."""
         b = tl.program_id(0)
@@ -1040,25 +1056,28 @@ if triton is not None:
         k_cache = anchor_ptr + k_offset + kvh * D
         v_cache = anchor_ptr + v_offset + kvh * D
         if PREFETCH:     # this program's share of the keys as the positions are before the wait (a hint)
-            older = tl.load(start_ptr + b)
-            k_begin, k_end = _split_range(older, T, capacity, split, SPLIT, BLOCK_K)
-            _prefetch_older_kv(k_cache, v_cache, pages, k_begin, tl.minimum(k_end, tl.minimum(older, capacity)),
-                               HKV, D, PAGE, BLOCK_K)
+            k_begin, k_end = _split_range(tl.minimum(tl.load(start_ptr + b), capacity), split, SPLIT, BLOCK_K)
+            _prefetch_older_kv(k_cache, v_cache, pages, k_begin, k_end, HKV, D, PAGE, BLOCK_K)
         _dependent_launch_start(PDL)
         start = tl.load(start_ptr + b)
-        if tl.minimum(start + T, capacity + 1) < SPLIT * BLOCK_K:
+        if tl.minimum(start, capacity) < SPLIT * BLOCK_K:
             if split == 0:
                 _attention_group(qkv_ptr + b * stride_qkv_b, out_ptr + b * stride_out_b, k_cache, v_cache, pages, start,
                                  q_w_ptr, k_w_ptr, inv_freq_ptr, stride_qkv_t, stride_out_t, capacity, eps, scale, kvh,
                                  T, G, HQ, HKV, D, M, PAGE, BLOCK_K, IEEE)
         else:
-            k_begin, k_end = _split_range(start, T, capacity, split, SPLIT, BLOCK_K)
-            q1, q2 = _new_keys_then_queries(qkv_ptr + b * stride_qkv_b, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr,
-                                            inv_freq_ptr, stride_qkv_t, capacity, eps, kvh, T, G, HQ, HKV, D, M, PAGE)
+            k_begin, k_end = _split_range(tl.minimum(start, capacity), split, SPLIT, BLOCK_K)
+            qkv = qkv_ptr + b * stride_qkv_b
+            inv_freq = tl.load(inv_freq_ptr + tl.arange(0, D // 2))
+            q1, q2 = _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, k_cache.dtype.element_ty,
+                                    T, G, D, M)
+            m_i, l_i, acc = _attend(q1, q2, k_cache, v_cache, pages, k_begin, k_end, scale, HKV, D, M, PAGE, BLOCK_K, IEEE)
+            if split == 0:
+                m_i, l_i, acc = _attend_new_keys(q1, q2, m_i, l_i, acc, qkv, k_cache, v_cache, pages, start, k_w_ptr,
+                                                 inv_freq, stride_qkv_t, capacity, eps, scale, kvh, True,
+                                                 T, G, HQ, HKV, D, M, PAGE)
             r = tl.arange(0, M)
             d = tl.arange(0, D)
-            m_i, l_i, acc = _attend(q1, q2, start + r // G, k_cache, v_cache, pages, k_begin, k_end, scale,
-                                    HKV, D, M, PAGE, BLOCK_K, IEEE)
             # partials of (row, KV head): SPLIT x [M] maxima, [M] sums, [M, D] outputs, fp32
             group = b * HKV + kvh
             part = part_ptr + group * SPLIT * M * (D + 2)
@@ -1077,7 +1096,6 @@ if triton is not None:
                 o = tl.zeros([M, D], tl.float32)
                 for s in tl.static_range(SPLIT):
                     w = tl.exp(tl.load(part + s * M + r, cache_modifier=".cg") - m_all)
-                    w = tl.where(m_all == float("-inf"), 0.0, w)        # padding rows: no key at all
                     l_all += w * tl.load(part + (SPLIT + s) * M + r, cache_modifier=".cg")
                     o += w[:, None] * tl.load(part + 2 * SPLIT * M + s * M * D + r[:, None] * D + d[None, :],
                                               cache_modifier=".cg")
