@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .host import ToHost, to_device
+from .model import kernels
 from .requests import SamplingParams
 from .sampling import (SamplingTensors, TalkerLogitsProcessor, fused_sampling, sample_subtalker, sample_talker,
                        subtalker_noise)
@@ -207,7 +208,6 @@ class ModelRunner:
         packed as [n, 18] int64 (16 codes, status, advanced). Only tensor ops with static shapes for
         (n, kmax), and rows with act False (or not alive) keep their state, so `engine.graphs`
         captures it in a CUDA graph as it is."""
-        act = act & self.alive[:n]
         params = self.params.head(n)
         frame_index = self.generated[:n] - 1
         h, c0 = self.h[:n], self.c0[:n]
@@ -220,14 +220,23 @@ class ModelRunner:
         x = self.talker.embed_frame(frames, plus=text_embeds)
         hidden = self.talker(x[:, None], self.cache, self.length[:n], kmax=kmax)[:, 0]
         new_c0 = sample_talker(self.processor, self.talker.logits(hidden), self.seen[:n], self.generated[:n], params)
-        self.h[:n] = torch.where(act[:, None], hidden, h)
-        self.c0[:n] = torch.where(act, new_c0, c0)
-        self.seen[:n] |= torch.zeros_like(self.seen[:n]).scatter_(1, new_c0[:, None], True) & act[:, None]
-        self.generated[:n] += act
-        self.length[:n] += act
-        status = self._status(new_c0, self.generated[:n], self.length[:n], self.limit[:n])
-        status = torch.where(act, status, RUNNING)
-        self.alive[:n] &= status == RUNNING
+        state = kernels.RowState(self.alive[:n], h, c0, self.seen[:n], self.generated[:n], self.length[:n],
+                                 self.limit[:n])
+        if self.talker.model.fused_decode:
+            return kernels.advance_rows(act, new_c0, hidden, frames, state, self.eos_id, self.capacity,
+                                        (RUNNING, EOS, LIMIT))
+        return self._advance(act, new_c0, hidden, frames, state)
+
+    def _advance(self, act, new_c0, hidden, frames, state: "kernels.RowState") -> torch.Tensor:
+        """`kernels.advance_rows` as tensor ops (off the fused decode path)."""
+        act = act & state.alive
+        state.h.copy_(torch.where(act[:, None], hidden, state.h))
+        state.c0.copy_(torch.where(act, new_c0, state.c0))
+        state.seen.bitwise_or_(torch.zeros_like(state.seen).scatter_(1, new_c0[:, None], True) & act[:, None])
+        state.generated.add_(act)
+        state.length.add_(act)
+        status = torch.where(act, self._status(new_c0, state.generated, state.length, state.limit), RUNNING)
+        state.alive.bitwise_and_(status == RUNNING)
         return torch.cat([frames, status[:, None], act[:, None]], dim=1)
 
     @torch.no_grad()

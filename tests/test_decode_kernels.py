@@ -259,6 +259,39 @@ def test_fused_decode_samples_the_same_frames(tiny_model_dir, fused_model):
     torch.testing.assert_close(frames[1], frames[0], atol=0, rtol=0)
 
 
+def test_advance_rows_matches_the_tensor_ops(kernels, tiny_model_dir):
+    """The end of a decode step in one kernel: a row that moves (active and alive) takes the new hidden
+    state and c0, marks the c0 seen and counts a c0 and a position; one that samples EOS, passes its
+    frame limit or fills the cache stops; rows inactive or finished keep their state. The same state
+    and packed rows as the runner's tensor ops."""
+    from engine.runner import EOS, LIMIT, RUNNING
+    runner = ModelRunner(load_model(tiny_model_dir), 6, 32)
+    g = torch.Generator().manual_seed(8)
+    d, v = runner.h.shape[1], runner.seen.shape[1]
+    # rows: moves; samples EOS; passes its limit; fills the cache; inactive; finished earlier
+    act = torch.tensor([True, True, True, True, False, True])
+    new_c0 = torch.tensor([5, runner.eos_id, 7, 9, 11, 13])
+    hidden, frames = torch.randn(6, d, generator=g), torch.randint(0, 2048, (6, 16), generator=g)
+
+    def state():
+        return kernels.RowState(torch.tensor([True, True, True, True, True, False]), torch.randn(6, d, generator=g),
+                                torch.tensor([1, 2, 3, 4, 5, 6]), torch.rand(6, v, generator=g) < 0.1,
+                                torch.tensor([3, 4, 10, 2, 1, 6]), torch.tensor([10, 12, 15, 31, 5, 9]),
+                                torch.tensor([20, 20, 10, 20, 20, 20]))
+    before = state()
+    expected_state, got_state = (kernels.RowState(*(t.clone() for t in before)) for _ in range(2))
+    expected = runner._advance(act, new_c0, hidden, frames, expected_state)
+    got = kernels.advance_rows(act, new_c0, hidden, frames, got_state, runner.eos_id, runner.capacity,
+                               (RUNNING, EOS, LIMIT))
+    assert expected[:, 16].tolist() == [RUNNING, EOS, LIMIT, LIMIT, RUNNING, RUNNING]
+    assert expected[:, 17].tolist() == [1, 1, 1, 1, 0, 0]
+    assert torch.equal(got, expected)
+    for name, a, e, b in zip(kernels.RowState._fields, got_state, expected_state, before):
+        assert torch.equal(a, e), name
+        assert torch.equal(a[4:], b[4:]), name               # the rows that did not move: untouched
+    assert got_state.alive.tolist() == [True, False, False, False, True, False]
+
+
 @pytest.mark.parametrize("radix_bits", [4, 8])
 def test_sample_rows_matches_plain_sampling(kernels, radix_bits):
     """Greedy rows, temperatures, top-k of 0 (off), 1, 50 and past the vocab, suppressed (-inf) ids,
