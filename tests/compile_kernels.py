@@ -136,11 +136,11 @@ def main() -> None:
                            anchor_ptr=p, table_ptr="*i64", start_ptr="*i64", stride_table="i32", layer_elems="i32",
                            capacity="i32", B="i32", L="i32", DM="i32", I="i32", eps="fp32", scale="fp32"),
                       dict(T=t, G=2, HQ=16, HKV=8, D=128, M_ATT=16, PAGE=page, BLOCK_KV=min(64, page),
-                           BLOCK_M=16 if c["DOT"] else k.GEMV_ROWS, BLOCK_K=c["BLOCK_K"], DOT=c["DOT"],
+                           BLOCK_M=16 if c["DOT"] else k.GEMV_ROWS, BK_DM=1024, BK_NQ=2048, BK_I=4096, DOT=c["DOT"],
                            IEEE=dtype == "fp32", **{name: k._phase_width(n, 132, c["DOT"]) for name, n in
                                                     (("BN_QKV", 4096), ("BN_O", 1024), ("BN_GATE_UP", 3072),
                                                      ("BN_DOWN", 1024))}),
-                      num_warps=c["num_warps"], num_stages=c["num_stages"])
+                      num_warps=c["num_warps"], num_stages=1)
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
     # fp32 logits (the talker's, with its logits processor folded in or not) and bf16 (the code predictor's

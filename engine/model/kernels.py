@@ -685,6 +685,40 @@ if triton is not None:
         _linear_store(acc, acc_up, y_ptr, r_ptr, M, N, col0, BLOCK_M, BLOCK_N, GATED, RESIDUAL)
 
     @triton.jit
+    def _block_weights(w_ptr, N, K, col0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+        """The whole weight rows [BLOCK_N, BLOCK_K >= K] of the column block at col0 (and its up rows,
+        GATED: w is [gate; up]), for `_preloaded_block`; zeros past N and K."""
+        cols = col0 + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_K)
+        w_at = w_ptr + cols[:, None] * K + k[None, :]
+        w_mask = (cols[:, None] < N) & (k[None, :] < K)
+        w = tl.load(w_at, mask=w_mask, other=0.0)
+        w_up = w
+        if GATED:
+            w_up = tl.load(w_at + N * K, mask=w_mask, other=0.0)
+        return w, w_up
+
+    @triton.jit
+    def _preloaded_block(x_ptr, w, w_up, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
+                         GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+        """`_linear_block` of the column block at col0 from its weight rows loaded already
+        (`_block_weights`): x's rows are all it reads."""
+        rows = tl.arange(0, BLOCK_M)
+        k = tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+        inv = tl.zeros([BLOCK_M], tl.float32)
+        if NORM:
+            inv = tl.rsqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), 1) / K + eps)
+        x = _normed(x, norm_w_ptr, inv, k, K, NORM)
+        acc = _mac(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w, DOT, IEEE)
+        acc_up = acc
+        if GATED:
+            acc_up = _mac(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w_up, DOT, IEEE)
+        _linear_store(acc, acc_up, y_ptr, r_ptr, M, N, col0, BLOCK_M, BLOCK_N, GATED, RESIDUAL)
+
+    @triton.jit
     def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
@@ -703,26 +737,10 @@ if triton is not None:
         (PRELOAD, BLOCK_K >= K) the block's whole weight rows loaded into registers before the wait,
         so that after it only x is read: the weights' read overlaps the kernel before."""
         if PRELOAD:
-            cols = col0 + tl.arange(0, BLOCK_N)
-            rows = tl.arange(0, BLOCK_M)
-            k = tl.arange(0, BLOCK_K)
-            w_at = w_ptr + cols[:, None] * K + k[None, :]
-            w_mask = (cols[:, None] < N) & (k[None, :] < K)
-            w = tl.load(w_at, mask=w_mask, other=0.0)
-            w_up = w
-            if GATED:
-                w_up = tl.load(w_at + N * K, mask=w_mask, other=0.0)
+            w, w_up = _block_weights(w_ptr, N, K, col0, BLOCK_N, BLOCK_K, GATED)
             _dependent_launch_start(PDL)
-            x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
-            inv = tl.zeros([BLOCK_M], tl.float32)
-            if NORM:
-                inv = tl.rsqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), 1) / K + eps)
-            x = _normed(x, norm_w_ptr, inv, k, K, NORM)
-            acc = _mac(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w, DOT, IEEE)
-            acc_up = acc
-            if GATED:
-                acc_up = _mac(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w_up, DOT, IEEE)
-            _linear_store(acc, acc_up, y_ptr, r_ptr, M, N, col0, BLOCK_M, BLOCK_N, GATED, RESIDUAL)
+            _preloaded_block(x_ptr, w, w_up, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
+                             BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL)
         else:
             if PREFETCH:
                 _prefetch_weights_l2(w_ptr, col0, N, K, BLOCK_N, BLOCK_K, GATED)
@@ -1365,7 +1383,8 @@ def _timing_cache(cache, layers: int, rows: int, t: int, start: torch.Tensor, ke
 
 # QWEN3_TTS_PERSISTENT=1: a whole decode forward of a transformer stack up to 16 rows in one launch
 # (`stack_decode`) instead of a kernel per GEMM and attention core. Opt-in: on an H100 it was 4% slower
-# at one row and 14% at eight (bench/README.md, 2026-12-06 second session).
+# at one row and 14% at eight while its GEMMs read their weights after each barrier (bench/README.md,
+# 2026-12-06 second session); loaded before it, as now, not timed yet.
 PERSISTENT = os.environ.get("QWEN3_TTS_PERSISTENT", "0") == "1"
 
 if triton is not None:
@@ -1390,13 +1409,20 @@ if triton is not None:
             tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _gemm_phase(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, pid, P,
+    def _gemm_phase(x_ptr, w_ptr, w, w_up, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, pid, P,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
                     IEEE: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
-        """`_linear_block` of every column block of y, the blocks dealt out round-robin to the P programs."""
-        for col0 in range(pid * BLOCK_N, N, P * BLOCK_N):
-            _linear_block(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
-                          BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL)
+        """Every column block of y, dealt out round-robin to the P programs: the program's first from
+        its weight rows loaded already (w, w_up: `_block_weights` of column pid * BLOCK_N, before the
+        barrier this phase waited at), any further one (a grid smaller than the blocks: the CPU's one
+        program) loaded here."""
+        if pid * BLOCK_N < N:
+            _preloaded_block(x_ptr, w, w_up, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, pid * BLOCK_N,
+                             BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL)
+        for col0 in range((pid + P) * BLOCK_N, N, P * BLOCK_N):
+            w_more, w_more_up = _block_weights(w_ptr, N, K, col0, BLOCK_N, BLOCK_K, GATED)
+            _preloaded_block(x_ptr, w_more, w_more_up, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
+                             BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL)
 
     @triton.jit
     def _stack_decode_kernel(
@@ -1407,34 +1433,43 @@ if triton is not None:
             T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
             M_ATT: tl.constexpr, PAGE: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_M: tl.constexpr,
             BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GATE_UP: tl.constexpr, BN_DOWN: tl.constexpr,
-            BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+            BK_DM: tl.constexpr, BK_NQ: tl.constexpr, BK_I: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
+            PDL: tl.constexpr):
         """`DecoderStack._decode` in one launch: per layer the same five steps as its kernels (QKV GEMM
         with the input norm, attention core, output GEMM + residual, gate/up GEMM with the norm and the
         gate, down GEMM + residual), each dealt out over the grid's programs, with a grid barrier
-        between them (~1.1 us each on an H100 with a program an SM). h = the residual stream [B*T, DM]
-        (the input x copied in first). The grid must fit on the GPU at once (one program an SM): a
-        barrier waits for every program. (Each step asking L2 for the next GEMM's weights, every program
-        a share, made it 8% slower at one row on an H100.)"""
+        between them (~1.1 us each on an H100 with a program an SM). A program loads the weight rows
+        of its block of the next GEMM into registers before it arrives at the barrier that GEMM waits
+        at (the first layer's QKV before the kernel's dependent-launch wait), so that after a barrier
+        it reads only the few rows of x: as `linear`'s preloaded configs overlap a kernel's weights
+        with the kernel before. (Streamed after the barrier, a step took ~7 us at one row on an H100,
+        about what a kernel of its own took; asked of L2 before it, 8% slower still.) BK_*: the GEMMs'
+        K (DM, HQ * D, I) as powers of two. h = the residual stream [B*T, DM] (the input x copied in
+        first). The grid must fit on the GPU at once (one program an SM): a barrier waits for every
+        program."""
         pid = tl.program_id(0)
         P = tl.num_programs(0)
         M = B * T
         NQ = HQ * D
         NQKV = (HQ + 2 * HKV) * D
+        w_qkv_block = _block_weights(w_qkv, NQKV, DM, pid * BN_QKV, BN_QKV, BK_DM, False)[0]
         if PDL:
             tl.extra.cuda.gdc_wait()
         rows = tl.arange(0, BLOCK_M)[:, None]
-        for c0 in range(pid * BLOCK_K, DM, P * BLOCK_K):
-            c = c0 + tl.arange(0, BLOCK_K)[None, :]
+        for c0 in range(pid * BK_DM, DM, P * BK_DM):
+            c = c0 + tl.arange(0, BK_DM)[None, :]
             mask = (rows < M) & (c < DM)
             tl.store(h_ptr + rows * DM + c, tl.load(x_ptr + rows * DM + c, mask=mask), mask=mask)
         _grid_sync(counter_ptr, P)
         for layer in range(L):
             passed = 1 + 5 * layer                   # barriers passed so far (the copy's, 5 a layer)
+            wqkv = w_qkv + layer * NQKV * DM
             wo = w_o + layer * DM * NQ
             wgu = w_gate_up + layer * 2 * I * DM
             wd = w_down + layer * DM * I
-            _gemm_phase(h_ptr, w_qkv + layer * NQKV * DM, qkv_ptr, h_ptr, norm_in + layer * DM, M, NQKV, DM, eps,
-                        pid, P, BLOCK_M, BN_QKV, BLOCK_K, DOT, IEEE, True, False, False)
+            _gemm_phase(h_ptr, wqkv, w_qkv_block, w_qkv_block, qkv_ptr, h_ptr, norm_in + layer * DM, M, NQKV, DM, eps,
+                        pid, P, BLOCK_M, BN_QKV, BK_DM, DOT, IEEE, True, False, False)
+            w_o_block = _block_weights(wo, DM, NQ, pid * BN_O, BN_O, BK_NQ, False)[0]
             _grid_sync(counter_ptr, (passed + 1) * P)
             for item in range(pid, B * HKV, P):
                 b = item // HKV
@@ -1445,15 +1480,18 @@ if triton is not None:
                                  tl.load(start_ptr + b), norm_q + layer * D, norm_k + layer * D, inv_freq_ptr,
                                  NQKV, NQ, capacity, eps, scale, kvh, T, G, HQ, HKV, D, M_ATT, PAGE, BLOCK_KV, IEEE)
             _grid_sync(counter_ptr, (passed + 2) * P)
-            _gemm_phase(attn_ptr, wo, h_ptr, h_ptr, h_ptr, M, DM, NQ, eps,
-                        pid, P, BLOCK_M, BN_O, BLOCK_K, DOT, IEEE, False, False, True)
+            _gemm_phase(attn_ptr, wo, w_o_block, w_o_block, h_ptr, h_ptr, h_ptr, M, DM, NQ, eps,
+                        pid, P, BLOCK_M, BN_O, BK_NQ, DOT, IEEE, False, False, True)
+            w_gate, w_up = _block_weights(wgu, I, DM, pid * BN_GATE_UP, BN_GATE_UP, BK_DM, True)
             _grid_sync(counter_ptr, (passed + 3) * P)
-            _gemm_phase(h_ptr, wgu, act_ptr, h_ptr, norm_post + layer * DM, M, I, DM, eps,
-                        pid, P, BLOCK_M, BN_GATE_UP, BLOCK_K, DOT, IEEE, True, True, False)
+            _gemm_phase(h_ptr, wgu, w_gate, w_up, act_ptr, h_ptr, norm_post + layer * DM, M, I, DM, eps,
+                        pid, P, BLOCK_M, BN_GATE_UP, BK_DM, DOT, IEEE, True, True, False)
+            w_down_block = _block_weights(wd, DM, I, pid * BN_DOWN, BN_DOWN, BK_I, False)[0]
             _grid_sync(counter_ptr, (passed + 4) * P)
-            _gemm_phase(act_ptr, wd, h_ptr, h_ptr, h_ptr, M, DM, I, eps,
-                        pid, P, BLOCK_M, BN_DOWN, BLOCK_K, DOT, IEEE, False, False, True)
+            _gemm_phase(act_ptr, wd, w_down_block, w_down_block, h_ptr, h_ptr, h_ptr, M, DM, I, eps,
+                        pid, P, BLOCK_M, BN_DOWN, BK_I, DOT, IEEE, False, False, True)
             if layer + 1 < L:
+                w_qkv_block = _block_weights(wqkv + NQKV * DM, NQKV, DM, pid * BN_QKV, BN_QKV, BK_DM, False)[0]
                 _grid_sync(counter_ptr, (passed + 5) * P)
         _grid_last_arrival(counter_ptr, (5 * L + 1) * P)
         if PDL:
@@ -1462,11 +1500,10 @@ if triton is not None:
 
 # Launch configs `stack_decode` times (the first is taken untimed): its GEMMs on the tensor cores, or for
 # 1-2 rows on the CUDA cores too; a GEMM's column blocks are as wide as it takes to give every program
-# about one (`_phase_width`): a program's blocks run one after the other, so each pays its loads' latency.
-_STACK_DOT_CONFIGS = [dict(DOT=True, BLOCK_K=k, num_warps=w, num_stages=st) for k, w, st in
-                      ((256, 4, 3), (128, 4, 4), (256, 8, 3))]
-_STACK_GEMV_CONFIGS = [dict(DOT=False, BLOCK_K=k, num_warps=w, num_stages=st) for k, w, st in
-                       ((128, 4, 3), (128, 8, 3), (64, 4, 4))]
+# one (`_phase_width`), whose weight rows it holds in registers (8 or 16 warps: a gate/up block of 32
+# columns is 128 KB).
+_STACK_DOT_CONFIGS = [dict(DOT=True, num_warps=w) for w in (16, 8)]
+_STACK_GEMV_CONFIGS = [dict(DOT=False, num_warps=w) for w in (16, 8)]
 
 
 def stack_decode_configs(rows: int) -> list[dict]:
@@ -1474,8 +1511,9 @@ def stack_decode_configs(rows: int) -> list[dict]:
 
 
 def _phase_width(n: int, programs: int, dot: bool) -> int:
-    """Columns a block of an n-column GEMM phase spread over `programs`: about one block each, a power
-    of two, at least a tensor-core tile (16) with DOT, at most 64 (32 on the CUDA cores)."""
+    """Columns a block of an n-column GEMM phase spread over `programs`: one block each (or none), a
+    power of two, at least a tensor-core tile (16) with DOT, at most 64 (32 on the CUDA cores: more
+    blocks than programs beyond)."""
     return max(16 if dot else 2, min(triton.next_power_of_2(triton.cdiv(n, programs)), 64 if dot else 32))
 
 
@@ -1524,10 +1562,11 @@ def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start:
                  cache.capacity, b, layers, dm, inter, stacked.eps, head_dim ** -0.5),
                 dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
                      M_ATT=_query_rows(t, heads, kv_heads), PAGE=cache.page_size,
-                     BLOCK_KV=block_kv, BLOCK_M=16 if c["DOT"] else GEMV_ROWS, BLOCK_K=c["BLOCK_K"],
+                     BLOCK_KV=block_kv, BLOCK_M=16 if c["DOT"] else GEMV_ROWS,
                      BN_QKV=width(qkv.shape[1], c), BN_O=width(dm, c), BN_GATE_UP=width(inter, c),
-                     BN_DOWN=width(dm, c), DOT=c["DOT"], IEEE=x.dtype == torch.float32,
-                     num_warps=c["num_warps"], num_stages=c["num_stages"], **_pdl(x)), compile_only)
+                     BN_DOWN=width(dm, c), BK_DM=triton.next_power_of_2(dm), BK_NQ=triton.next_power_of_2(nq),
+                     BK_I=triton.next_power_of_2(inter), DOT=c["DOT"], IEEE=x.dtype == torch.float32,
+                     num_warps=c["num_warps"], num_stages=1, **_pdl(x)), compile_only)
 
     scratch = functools.cache(lambda: _timing_cache(cache, layers, b, t, start, _timing_keys(cache)))
 
