@@ -268,8 +268,8 @@ def persistent_stack_vs_layer_kernels(model) -> dict:
     stacks = (talker.model, talker.code_predictor.model)
     was = [s.persistent_decode for s in stacks]
     rows, worst = [], 0.0
-    for name, stack, t_rows in (("talker", talker.model, ((1, 1), (4, 1), (16, 1))),
-                                ("code_predictor", talker.code_predictor.model, ((1, 2), (1, 1), (8, 2), (16, 1)))):
+    for name, stack, t_rows in (("talker", talker.model, ((1, 1), (2, 1))),
+                                ("code_predictor", talker.code_predictor.model, ((1, 2), (1, 1), (2, 1)))):
         for b, t in t_rows:
             cache = talker.new_cache(b, 512) if name == "talker" else talker.code_predictor.new_cache(b)
             cap = cache.capacity

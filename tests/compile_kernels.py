@@ -128,7 +128,7 @@ def main() -> None:
                           num_warps=c["num_warps"], num_stages=3)
         # the persistent decode stack: every config it may time and pick, for the talker (pages of 64) and
         # the code predictor (pages of 16, 2 positions in its first step), in bf16; the first in fp32
-        for c in k.stack_decode_configs(1)[:None if dtype == "bf16" else 1]:
+        for c in k.STACK_DECODE_CONFIGS[:None if dtype == "bf16" else 1]:
             for t, page in ((1, 64), (2, 16)):
                 build(k._stack_decode_kernel,
                       dict(x_ptr=p, h_ptr=p, qkv_ptr=p, attn_ptr=p, act_ptr=p, counter_ptr="*i32", w_qkv=p, w_o=p,
@@ -136,10 +136,9 @@ def main() -> None:
                            anchor_ptr=p, table_ptr="*i64", start_ptr="*i64", stride_table="i32", layer_elems="i32",
                            capacity="i32", B="i32", L="i32", DM="i32", I="i32", eps="fp32", scale="fp32"),
                       dict(T=t, G=2, HQ=16, HKV=8, D=128, M_ATT=16, PAGE=page, BLOCK_KV=min(64, page),
-                           BLOCK_M=16 if c["DOT"] else k.GEMV_ROWS, BK_DM=1024, BK_NQ=2048, BK_I=4096, DOT=c["DOT"],
-                           IEEE=dtype == "fp32", **{name: k._phase_width(n, 132, c["DOT"]) for name, n in
-                                                    (("BN_QKV", 4096), ("BN_O", 1024), ("BN_GATE_UP", 3072),
-                                                     ("BN_DOWN", 1024))}),
+                           BLOCK_M=k.GEMV_ROWS, BK_DM=1024, BK_NQ=2048, BK_I=4096, IEEE=dtype == "fp32",
+                           **{name: k._phase_width(n, 132) for name, n in
+                              (("BN_QKV", 4096), ("BN_O", 1024), ("BN_GATE_UP", 3072), ("BN_DOWN", 1024))}),
                       num_warps=c["num_warps"], num_stages=1)
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))

@@ -35,10 +35,12 @@
   their read from memory overlaps the kernel before instead of following it. A `linear` config may go
   further (`PRELOAD`): a narrow column block loads its whole weight rows into registers before the
   wait, so that after it only x is read; the timing at warm-up decides per shape.
-- `stack_decode` (opt-in, `QWEN3_TTS_PERSISTENT=1`) runs a stack's whole decode forward up to 16 rows
+- `stack_decode` (opt-in, `QWEN3_TTS_PERSISTENT=1`) runs a stack's whole decode forward up to 2 rows
   as one persistent launch: the same GEMM and attention code dealt out over one program an SM, a grid
-  barrier between a layer's steps. It computes what the layer kernels compute but was not faster on
-  an H100 or H200 (a barrier costs ~1 us, a step's work as much as a kernel's: bench/README.md).
+  barrier between a layer's steps, each program's weight rows for a step loaded before the barrier
+  it waits at. It computes what the layer kernels compute; with its weights read after each barrier
+  it was not faster on an H100 or H200 (a barrier costs ~1 us, a step's work was as much as a
+  kernel's: bench/README.md); loaded before it, not timed yet.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
 The tests run the Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
@@ -1410,19 +1412,19 @@ if triton is not None:
 
     @triton.jit
     def _gemm_phase(x_ptr, w_ptr, w, w_up, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, pid, P,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-                    IEEE: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
-        """Every column block of y, dealt out round-robin to the P programs: the program's first from
-        its weight rows loaded already (w, w_up: `_block_weights` of column pid * BLOCK_N, before the
-        barrier this phase waited at), any further one (a grid smaller than the blocks: the CPU's one
-        program) loaded here."""
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                    NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+        """Every column block of y (on the CUDA cores), dealt out round-robin to the P programs: the
+        program's first from its weight rows loaded already (w, w_up: `_block_weights` of column
+        pid * BLOCK_N, before the barrier this phase waited at), any further one (a grid smaller than
+        the blocks: the CPU's one program) loaded here."""
         if pid * BLOCK_N < N:
             _preloaded_block(x_ptr, w, w_up, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, pid * BLOCK_N,
-                             BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL)
+                             BLOCK_M, BLOCK_N, BLOCK_K, False, IEEE, NORM, GATED, RESIDUAL)
         for col0 in range((pid + P) * BLOCK_N, N, P * BLOCK_N):
             w_more, w_more_up = _block_weights(w_ptr, N, K, col0, BLOCK_N, BLOCK_K, GATED)
             _preloaded_block(x_ptr, w_more, w_more_up, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
-                             BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL)
+                             BLOCK_M, BLOCK_N, BLOCK_K, False, IEEE, NORM, GATED, RESIDUAL)
 
     @triton.jit
     def _stack_decode_kernel(
@@ -1433,12 +1435,12 @@ if triton is not None:
             T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
             M_ATT: tl.constexpr, PAGE: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_M: tl.constexpr,
             BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GATE_UP: tl.constexpr, BN_DOWN: tl.constexpr,
-            BK_DM: tl.constexpr, BK_NQ: tl.constexpr, BK_I: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-            PDL: tl.constexpr):
+            BK_DM: tl.constexpr, BK_NQ: tl.constexpr, BK_I: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
         """`DecoderStack._decode` in one launch: per layer the same five steps as its kernels (QKV GEMM
         with the input norm, attention core, output GEMM + residual, gate/up GEMM with the norm and the
         gate, down GEMM + residual), each dealt out over the grid's programs, with a grid barrier
-        between them (~1.1 us each on an H100 with a program an SM). A program loads the weight rows
+        between them (~1.1 us each on an H100 with a program an SM); the GEMMs on the CUDA cores, for
+        up to BLOCK_M (`GEMV_ROWS`) rows. A program loads the weight rows
         of its block of the next GEMM into registers before it arrives at the barrier that GEMM waits
         at (the first layer's QKV before the kernel's dependent-launch wait), so that after a barrier
         it reads only the few rows of x: as `linear`'s preloaded configs overlap a kernel's weights
@@ -1468,7 +1470,7 @@ if triton is not None:
             wgu = w_gate_up + layer * 2 * I * DM
             wd = w_down + layer * DM * I
             _gemm_phase(h_ptr, wqkv, w_qkv_block, w_qkv_block, qkv_ptr, h_ptr, norm_in + layer * DM, M, NQKV, DM, eps,
-                        pid, P, BLOCK_M, BN_QKV, BK_DM, DOT, IEEE, True, False, False)
+                        pid, P, BLOCK_M, BN_QKV, BK_DM, IEEE, True, False, False)
             w_o_block = _block_weights(wo, DM, NQ, pid * BN_O, BN_O, BK_NQ, False)[0]
             _grid_sync(counter_ptr, (passed + 1) * P)
             for item in range(pid, B * HKV, P):
@@ -1481,15 +1483,15 @@ if triton is not None:
                                  NQKV, NQ, capacity, eps, scale, kvh, T, G, HQ, HKV, D, M_ATT, PAGE, BLOCK_KV, IEEE)
             _grid_sync(counter_ptr, (passed + 2) * P)
             _gemm_phase(attn_ptr, wo, w_o_block, w_o_block, h_ptr, h_ptr, h_ptr, M, DM, NQ, eps,
-                        pid, P, BLOCK_M, BN_O, BK_NQ, DOT, IEEE, False, False, True)
+                        pid, P, BLOCK_M, BN_O, BK_NQ, IEEE, False, False, True)
             w_gate, w_up = _block_weights(wgu, I, DM, pid * BN_GATE_UP, BN_GATE_UP, BK_DM, True)
             _grid_sync(counter_ptr, (passed + 3) * P)
             _gemm_phase(h_ptr, wgu, w_gate, w_up, act_ptr, h_ptr, norm_post + layer * DM, M, I, DM, eps,
-                        pid, P, BLOCK_M, BN_GATE_UP, BK_DM, DOT, IEEE, True, True, False)
+                        pid, P, BLOCK_M, BN_GATE_UP, BK_DM, IEEE, True, True, False)
             w_down_block = _block_weights(wd, DM, I, pid * BN_DOWN, BN_DOWN, BK_I, False)[0]
             _grid_sync(counter_ptr, (passed + 4) * P)
             _gemm_phase(act_ptr, wd, w_down_block, w_down_block, h_ptr, h_ptr, h_ptr, M, DM, I, eps,
-                        pid, P, BLOCK_M, BN_DOWN, BK_I, DOT, IEEE, False, False, True)
+                        pid, P, BLOCK_M, BN_DOWN, BK_I, IEEE, False, False, True)
             if layer + 1 < L:
                 w_qkv_block = _block_weights(wqkv + NQKV * DM, NQKV, DM, pid * BN_QKV, BN_QKV, BK_DM, False)[0]
                 _grid_sync(counter_ptr, (passed + 5) * P)
@@ -1498,23 +1500,17 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
 
 
-# Launch configs `stack_decode` times (the first is taken untimed): its GEMMs on the tensor cores, or for
-# 1-2 rows on the CUDA cores too; a GEMM's column blocks are as wide as it takes to give every program
-# one (`_phase_width`), whose weight rows it holds in registers (8 or 16 warps: a gate/up block of 32
-# columns is 128 KB).
-_STACK_DOT_CONFIGS = [dict(DOT=True, num_warps=w) for w in (16, 8)]
-_STACK_GEMV_CONFIGS = [dict(DOT=False, num_warps=w) for w in (16, 8)]
+# Launch configs `stack_decode` times (the first is taken untimed): a GEMM's column blocks are as wide as
+# it takes to give every program one (`_phase_width`), whose weight rows it holds in registers (a gate/up
+# block of 32 columns is 128 KB: 8 or 16 warps). Only up to GEMV_ROWS rows: with the tensor cores' 16-row
+# tiles held as well, ptxas spilled 35-49 KB a thread (sm_90, the 0.6B model's shapes).
+STACK_DECODE_CONFIGS = [dict(num_warps=w) for w in (16, 8)]
 
 
-def stack_decode_configs(rows: int) -> list[dict]:
-    return _STACK_DOT_CONFIGS + (_STACK_GEMV_CONFIGS if rows <= GEMV_ROWS else [])
-
-
-def _phase_width(n: int, programs: int, dot: bool) -> int:
+def _phase_width(n: int, programs: int) -> int:
     """Columns a block of an n-column GEMM phase spread over `programs`: one block each (or none), a
-    power of two, at least a tensor-core tile (16) with DOT, at most 64 (32 on the CUDA cores: more
-    blocks than programs beyond)."""
-    return max(16 if dot else 2, min(triton.next_power_of_2(triton.cdiv(n, programs)), 64 if dot else 32))
+    power of two from 2 to 32 (more blocks than programs beyond)."""
+    return max(2, min(triton.next_power_of_2(triton.cdiv(n, programs)), 32))
 
 
 @functools.cache
@@ -1530,7 +1526,7 @@ def _programs(device: torch.device) -> int:
 def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start: torch.Tensor,
                  config: dict | None = None) -> torch.Tensor:
     """All layers of a decode forward in one persistent kernel -> the residual stream [B, T, D] (not
-    final-normed): what `DecoderStack._decode` computes with 5 kernels a layer, for B * T <= SKINNY_ROWS.
+    final-normed): what `DecoderStack._decode` computes with 5 kernels a layer, for B * T <= GEMV_ROWS.
 
     x [B, T, D]: the new positions start[b].. of row b = slot b of `cache`. stacked: the stack's
     weights, every layer's in one tensor a kind (`layers.StackedLayers`), and the barrier counter.
@@ -1541,7 +1537,7 @@ def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start:
     rows = b * t
     heads, kv_heads, head_dim = stacked.heads, stacked.kv_heads, stacked.head_dim
     layers, nq, inter = stacked.qkv.shape[0], heads * head_dim, stacked.down.shape[2]
-    if rows > SKINNY_ROWS or not decode_attention_supports(head_dim) or cache.page_size < 16:
+    if rows > GEMV_ROWS or not decode_attention_supports(head_dim) or cache.page_size < 16:
         raise ValueError(f"stack_decode: unsupported shapes x {tuple(x.shape)}, head_dim {head_dim}, "
                          f"pages of {cache.page_size}")
     x = x.contiguous()
@@ -1551,7 +1547,6 @@ def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start:
     act = x.new_empty(rows, inter)
 
     programs = _programs(x.device)
-    width = lambda n, c: _phase_width(n, programs, c["DOT"])  # noqa: E731
 
     def launch(c, cache=cache, start=start, compile_only=False):
         block_kv = _key_block(cache, 64)
@@ -1562,10 +1557,11 @@ def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start:
                  cache.capacity, b, layers, dm, inter, stacked.eps, head_dim ** -0.5),
                 dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
                      M_ATT=_query_rows(t, heads, kv_heads), PAGE=cache.page_size,
-                     BLOCK_KV=block_kv, BLOCK_M=16 if c["DOT"] else GEMV_ROWS,
-                     BN_QKV=width(qkv.shape[1], c), BN_O=width(dm, c), BN_GATE_UP=width(inter, c),
-                     BN_DOWN=width(dm, c), BK_DM=triton.next_power_of_2(dm), BK_NQ=triton.next_power_of_2(nq),
-                     BK_I=triton.next_power_of_2(inter), DOT=c["DOT"], IEEE=x.dtype == torch.float32,
+                     BLOCK_KV=block_kv, BLOCK_M=GEMV_ROWS,
+                     BN_QKV=_phase_width(qkv.shape[1], programs), BN_O=_phase_width(dm, programs),
+                     BN_GATE_UP=_phase_width(inter, programs), BN_DOWN=_phase_width(dm, programs),
+                     BK_DM=triton.next_power_of_2(dm), BK_NQ=triton.next_power_of_2(nq),
+                     BK_I=triton.next_power_of_2(inter), IEEE=x.dtype == torch.float32,
                      num_warps=c["num_warps"], num_stages=1, **_pdl(x)), compile_only)
 
     scratch = functools.cache(lambda: _timing_cache(cache, layers, b, t, start, _timing_keys(cache)))
@@ -1574,9 +1570,8 @@ def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start:
         launch(c, *scratch(), compile_only=compile_only)
 
     if config is None:
-        key = ("stack_decode", rows if rows <= GEMV_ROWS else SKINNY_ROWS, t, layers, dm, x.dtype,
-               cache.capacity, cache.page_size)
-        config = _fastest(key, stack_decode_configs(rows), launch_on_scratch)
+        key = ("stack_decode", rows, t, layers, dm, x.dtype, cache.capacity, cache.page_size)
+        config = _fastest(key, STACK_DECODE_CONFIGS, launch_on_scratch)
     launch(config)
     return h
 

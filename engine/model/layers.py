@@ -267,7 +267,7 @@ class DecoderStack(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
         self.fused_decode = False           # set by `fuse` on CUDA: decode forwards take `_decode`
         self.stacked: StackedLayers | None = None   # set by `fuse`
-        self.persistent_decode = False      # set by `fuse` on CUDA with QWEN3_TTS_PERSISTENT=1: `_decode` is one kernel up to 16 rows
+        self.persistent_decode = False      # set by `fuse` on CUDA with QWEN3_TTS_PERSISTENT=1: `_decode` is one kernel up to 2 rows
 
     def fuse(self, enabled: bool = True) -> None:
         """GPU layout: fused QKV and gate/up GEMMs, fused QK-norm + RoPE (same parameters, fewer
@@ -317,10 +317,10 @@ class DecoderStack(nn.Module):
     def _decode(self, x, cache, start, kmax=None):
         """The layers of `forward` for decode steps (rows = slots 0..B-1, T <= 2): the same math in 5
         kernels a layer at up to 16 rows (10 beyond), the norms, gate and residual adds folded into the
-        GEMMs and the attention core in one kernel; or all of it in one kernel up to 16 rows
+        GEMMs and the attention core in one kernel; or all of it in one kernel up to 2 rows
         (`kernels.stack_decode`, where `persistent_decode`). Attention reads each row's live keys:
         kmax only says what length its launch config is timed for."""
-        if self.persistent_decode and x.shape[0] * x.shape[1] <= kernels.SKINNY_ROWS:
+        if self.persistent_decode and x.shape[0] * x.shape[1] <= kernels.GEMV_ROWS:
             return kernels.stack_decode(x, self.stacked, self.inv_freq, cache, start)
         for i, layer in enumerate(self.layers):
             x = layer.decode(x, cache, i, start, self.inv_freq, kmax)
