@@ -893,13 +893,12 @@ if triton is not None:
 
     @triton.jit
     def _attend_new_keys(q1, q2, m_i, l_i, acc, qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq,
-                         stride_qkv_t, capacity, eps, scale, kvh, WRITE: tl.constexpr, T: tl.constexpr,
-                         G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr,
-                         PAGE: tl.constexpr):
+                         stride_qkv_t, capacity, eps, scale, kvh, T: tl.constexpr, G: tl.constexpr,
+                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr, PAGE: tl.constexpr):
         """`_attend`'s online softmax carried over KV head kvh's T new keys, taken from qkv (normed and
         rotated here) rather than read back from the cache: no store waits for its load. Query row r
-        (position start + r // G) sees the new keys up to its own. WRITE: the keys and values go to
-        the cache as well (positions past the capacity land in the scratch page)."""
+        (position start + r // G) sees the new keys up to its own. The keys and values go to the cache
+        as well (positions past the capacity land in the scratch page)."""
         HALF: tl.constexpr = D // 2
         dtype = k_cache.dtype.element_ty
         i = tl.arange(0, HALF)
@@ -907,12 +906,11 @@ if triton is not None:
         r = tl.arange(0, M)
         for t in tl.static_range(T):
             k1, k2, v = _new_kv(qkv, start, k_w_ptr, inv_freq, stride_qkv_t, eps, kvh, t, dtype, HQ, HKV, D)
-            if WRITE:
-                pos = tl.minimum(start + t, capacity)
-                dst = tl.multiple_of(tl.load(pages + pos // PAGE) + (pos % PAGE) * (HKV * D), 16)
-                tl.store(k_cache + dst + i, k1)
-                tl.store(k_cache + dst + HALF + i, k2)
-                tl.store(v_cache + dst + d, v)
+            pos = tl.minimum(start + t, capacity)
+            dst = tl.multiple_of(tl.load(pages + pos // PAGE) + (pos % PAGE) * (HKV * D), 16)
+            tl.store(k_cache + dst + i, k1)
+            tl.store(k_cache + dst + HALF + i, k2)
+            tl.store(v_cache + dst + d, v)
             s = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32)[None, :], 1)
                  + tl.sum(q2.to(tl.float32) * k2.to(tl.float32)[None, :], 1))
             s = tl.where(r // G >= t, s * scale, float("-inf"))     # key t: the rows of positions from t on
@@ -1011,7 +1009,7 @@ if triton is not None:
         m_i, l_i, acc = _attend(q1, q2, k_cache, v_cache, pages, 0, tl.minimum(start, capacity), scale,
                                 HKV, D, M, PAGE, BLOCK_K, IEEE)
         m_i, l_i, acc = _attend_new_keys(q1, q2, m_i, l_i, acc, qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq,
-                                         stride_qkv_t, capacity, eps, scale, kvh, True, T, G, HQ, HKV, D, M, PAGE)
+                                         stride_qkv_t, capacity, eps, scale, kvh, T, G, HQ, HKV, D, M, PAGE)
         _store_heads(out, acc / l_i[:, None], stride_out_t, kvh, T, G, D, M)
 
     @triton.jit
@@ -1064,11 +1062,11 @@ if triton is not None:
         """`_attention_group` of row program_id(0), KV head program_id(1) with its keys cut in SPLIT
         ranges of whole blocks, one a program (program_id(2)): at a few rows, a long context's blocks are
         read side by side instead of one after another. The first program takes the new keys as well
-        (and writes them to the cache). Every program leaves its softmax partials in `part_ptr` and counts
-        itself in at `counter_ptr`; the last to arrive merges the partials, writes the output and sets
-        the counter back to 0 for the next launch. A row of fewer than SPLIT blocks of cached keys is not cut:
-        its first program does it all as `_decode_attention_kernel` would, the others leave at once
-        (one kernel serves a graph's every length: the decode graphs have one kv bucket)."""
+        (and writes them to the cache). Every program leaves its softmax partials in `part_ptr` and
+        counts itself in at `counter_ptr`; the last to arrive merges the partials, writes the output and
+        sets the counter back to 0 for the next launch. A row of fewer than SPLIT blocks of cached keys
+        is not cut: its first program does it all as `_decode_attention_kernel` would, the others leave
+        at once (one kernel serves a graph's every length: the decode graphs have one kv bucket)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -1091,10 +1089,11 @@ if triton is not None:
             inv_freq = tl.load(inv_freq_ptr + tl.arange(0, D // 2))
             q1, q2 = _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, k_cache.dtype.element_ty,
                                     T, G, D, M)
-            m_i, l_i, acc = _attend(q1, q2, k_cache, v_cache, pages, k_begin, k_end, scale, HKV, D, M, PAGE, BLOCK_K, IEEE)
+            m_i, l_i, acc = _attend(q1, q2, k_cache, v_cache, pages, k_begin, k_end, scale,
+                                    HKV, D, M, PAGE, BLOCK_K, IEEE)
             if split == 0:
                 m_i, l_i, acc = _attend_new_keys(q1, q2, m_i, l_i, acc, qkv, k_cache, v_cache, pages, start, k_w_ptr,
-                                                 inv_freq, stride_qkv_t, capacity, eps, scale, kvh, True,
+                                                 inv_freq, stride_qkv_t, capacity, eps, scale, kvh,
                                                  T, G, HQ, HKV, D, M, PAGE)
             r = tl.arange(0, M)
             d = tl.arange(0, D)
@@ -1383,7 +1382,7 @@ def _timing_cache(cache, layers: int, rows: int, t: int, start: torch.Tensor, ke
     return scratch, torch.full((rows,), max(0, keys - t), dtype=start.dtype, device=start.device)
 
 
-# QWEN3_TTS_PERSISTENT=1: a whole decode forward of a transformer stack up to 16 rows in one launch
+# QWEN3_TTS_PERSISTENT=1: a whole decode forward of a transformer stack up to 2 rows in one launch
 # (`stack_decode`) instead of a kernel per GEMM and attention core. Opt-in: on an H100 it was 4% slower
 # at one row and 14% at eight while its GEMMs read their weights after each barrier (bench/README.md,
 # 2026-12-06 second session); loaded before it, as now, not timed yet.
@@ -1440,15 +1439,14 @@ if triton is not None:
         with the input norm, attention core, output GEMM + residual, gate/up GEMM with the norm and the
         gate, down GEMM + residual), each dealt out over the grid's programs, with a grid barrier
         between them (~1.1 us each on an H100 with a program an SM); the GEMMs on the CUDA cores, for
-        up to BLOCK_M (`GEMV_ROWS`) rows. A program loads the weight rows
-        of its block of the next GEMM into registers before it arrives at the barrier that GEMM waits
-        at (the first layer's QKV before the kernel's dependent-launch wait), so that after a barrier
-        it reads only the few rows of x: as `linear`'s preloaded configs overlap a kernel's weights
-        with the kernel before. (Streamed after the barrier, a step took ~7 us at one row on an H100,
-        about what a kernel of its own took; asked of L2 before it, 8% slower still.) BK_*: the GEMMs'
-        K (DM, HQ * D, I) as powers of two. h = the residual stream [B*T, DM] (the input x copied in
-        first). The grid must fit on the GPU at once (one program an SM): a barrier waits for every
-        program."""
+        up to BLOCK_M (`GEMV_ROWS`) rows. A program loads the weight rows of its block of the next GEMM
+        into registers before it arrives at the barrier that GEMM waits at (the first layer's QKV
+        before the kernel's dependent-launch wait), so that after a barrier it reads only the few rows
+        of x: as `linear`'s preloaded configs overlap a kernel's weights with the kernel before.
+        (Streamed after the barrier, a step took ~7 us at one row on an H100, about what a kernel of
+        its own took; asked of L2 before it, 8% slower still.) BK_*: the GEMMs' K (DM, HQ * D, I) as
+        powers of two. h = the residual stream [B*T, DM] (the input x copied in first). The grid must
+        fit on the GPU at once (one program an SM): a barrier waits for every program."""
         pid = tl.program_id(0)
         P = tl.num_programs(0)
         M = B * T

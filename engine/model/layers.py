@@ -267,7 +267,8 @@ class DecoderStack(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
         self.fused_decode = False           # set by `fuse` on CUDA: decode forwards take `_decode`
         self.stacked: StackedLayers | None = None   # set by `fuse`
-        self.persistent_decode = False      # set by `fuse` on CUDA with QWEN3_TTS_PERSISTENT=1: `_decode` is one kernel up to 2 rows
+        # set by `fuse` on CUDA with QWEN3_TTS_PERSISTENT=1: `_decode` is one kernel up to 2 rows
+        self.persistent_decode = False
 
     def fuse(self, enabled: bool = True) -> None:
         """GPU layout: fused QKV and gate/up GEMMs, fused QK-norm + RoPE (same parameters, fewer
