@@ -39,8 +39,8 @@ import torch
 from .host import ToHost, to_device
 from .model import kernels
 from .requests import SamplingParams
-from .sampling import (SamplingTensors, TalkerLogitsProcessor, fused_sampling, sample_subtalker, sample_talker,
-                       subtalker_noise)
+from .sampling import (SamplingTensors, TalkerLogitsProcessor, all_greedy, fused_sampling, sample_subtalker,
+                       sample_talker, subtalker_noise)
 
 RUNNING, EOS, LIMIT = 0, 1, 2
 
@@ -212,8 +212,8 @@ class ModelRunner:
         frame_index = self.generated[:n] - 1
         h, c0 = self.h[:n], self.c0[:n]
         groups = self.talker.code_predictor.num_steps
-        noise = None if fused_sampling(self.device, params.sub_top_p_any) else subtalker_noise(
-            params.seed, frame_index, groups, self.talker.code_predictor.cfg.vocab_size)
+        noise = None if fused_sampling(self.device, params.sub_top_p_any) or all_greedy(params.sub_greedy) else \
+            subtalker_noise(params.seed, frame_index, groups, self.talker.code_predictor.cfg.vocab_size)
         rest = self.talker.predict_codes(
             h, c0, lambda logits, group, embed: sample_subtalker(logits, group, frame_index, params, noise, embed), self.cp_cache)
         frames = torch.cat([c0[:, None], rest], dim=1)

@@ -211,11 +211,12 @@ def sample(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor
     if fused_sampling(logits.device, top_p_any):          # the same, in one kernel
         return kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook, embed=embed)
     logits = logits.float()
-    if noise is None:
-        noise = gumbel_noise(seed, frame, codebook, logits.shape[-1])
-    warped = warp(logits, temperature, top_k, top_p, top_p_any)
-    drawn = (warped.double() + noise).argmax(dim=-1)
-    ids = torch.where(greedy, logits.argmax(dim=-1), drawn)
+    ids = logits.argmax(dim=-1)
+    if not all_greedy(greedy):
+        if noise is None:
+            noise = gumbel_noise(seed, frame, codebook, logits.shape[-1])
+        warped = warp(logits, temperature, top_k, top_p, top_p_any)
+        ids = torch.where(greedy, ids, (warped.double() + noise).argmax(dim=-1))
     if embed is not None:
         write_embedding(ids, embed)
     return ids
@@ -225,6 +226,12 @@ def write_embedding(ids: torch.Tensor, embed: Embed) -> None:
     """embed = (table [V, D], out [B, D]): out := table[ids] (what a `SampleFn` does with its embed)."""
     table, out = embed
     out.copy_(table[ids])
+
+
+def all_greedy(greedy: torch.Tensor) -> bool:
+    """Whether every row takes the argmax, so no noise or warp is needed: asked on the CPU only,
+    where it costs no device sync (a GPU step keeps the same ops, for its CUDA graphs)."""
+    return greedy.device.type == "cpu" and bool(greedy.all())
 
 
 def fused_sampling(device: torch.device, top_p_any: bool) -> bool:
