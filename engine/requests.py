@@ -34,6 +34,19 @@ class SamplingParams:
     seed: Optional[int] = None
     min_new_tokens: int = 2   # EOS is impossible before this many talker tokens (official: 2)
 
+    @property
+    def sub_greedy(self) -> bool:
+        return self.greedy if self.subtalker_greedy is None else self.subtalker_greedy
+
+    def validate(self) -> None:
+        """Raises ValueError for values the samplers cannot take."""
+        for greedy, temp, top_p in ((self.greedy, self.temperature, self.top_p),
+                                    (self.sub_greedy, self.subtalker_temperature, self.subtalker_top_p)):
+            if not greedy and not temp > 0:
+                raise ValueError(f"temperature must be > 0 when sampling, got {temp}")
+            if not 0 < top_p <= 1:
+                raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
 
 @dataclass(frozen=True)
 class VoicePrompt:

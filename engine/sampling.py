@@ -102,12 +102,7 @@ class SamplingTensors:
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "SamplingTensors":
         """Rows from SamplingParams; a None seed becomes a fresh random one (see `.seed`)."""
         for p in params:
-            for greedy, temp, top_p in ((p.greedy, p.temperature, p.top_p),
-                                        (_sub_greedy(p), p.subtalker_temperature, p.subtalker_top_p)):
-                if not greedy and not temp > 0:
-                    raise ValueError(f"temperature must be > 0 when sampling, got {temp}")
-                if not 0 < top_p <= 1:
-                    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+            p.validate()
 
         def col(values, dtype):
             return to_device(values, device, dtype)
@@ -119,14 +114,14 @@ class SamplingTensors:
             top_k=col([p.top_k for p in params], torch.long),
             top_p=col([p.top_p for p in params], torch.float64),
             repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
-            sub_greedy=col([_sub_greedy(p) for p in params], torch.bool),
+            sub_greedy=col([p.sub_greedy for p in params], torch.bool),
             sub_temperature=col([p.subtalker_temperature for p in params], torch.float32),
             sub_top_k=col([p.subtalker_top_k for p in params], torch.long),
             sub_top_p=col([p.subtalker_top_p for p in params], torch.float64),
             seed=col(seeds, torch.long),
             min_new_tokens=col([p.min_new_tokens for p in params], torch.long),
             talker_top_p_any=any(p.top_p < 1 and not p.greedy for p in params),
-            sub_top_p_any=any(p.subtalker_top_p < 1 and not _sub_greedy(p) for p in params),
+            sub_top_p_any=any(p.subtalker_top_p < 1 and not p.sub_greedy for p in params),
         )
 
     def _tensors(self):
@@ -147,10 +142,6 @@ class SamplingTensors:
     def head(self, n: int) -> "SamplingTensors":
         """Views of rows 0..n-1 (the decode batch over slots 0..n-1)."""
         return self.rows(slice(0, n))
-
-
-def _sub_greedy(p: SamplingParams) -> bool:
-    return p.greedy if p.subtalker_greedy is None else p.subtalker_greedy
 
 
 def repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:

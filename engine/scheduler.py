@@ -67,7 +67,6 @@ from .requests import AudioChunk, SpeechRequest, TurnResult
 from .kv_cache import CacheFull
 from .model import kernels
 from .runner import EOS, RUNNING, LaunchedStep, ModelRunner
-from .sampling import SamplingTensors
 from .streaming import StreamingVocoder, WindowAudio, WindowPolicy, release_cached_memory
 
 log = logging.getLogger(__name__)
@@ -396,7 +395,7 @@ class Scheduler:
         """Queue a request (non-blocking). Raises ValueError for a bad request, `Overloaded` when the
         queue is full, RuntimeError once stopped."""
         resolve_language(request.language, self.model.config)
-        SamplingTensors.from_params([request.sampling])
+        request.sampling.validate()
         if request.max_frames is not None and request.max_frames < 0:
             raise ValueError(f"max_frames must be >= 0, got {request.max_frames}")
         voice = request.voice

@@ -81,6 +81,9 @@ class TextTokenizer:
                                        f"got {tok.token_to_id(t['content'])}")
         self.tokenizer = tok
         self.added_tokens = [t.content for t in tokens]
+        # what an incremental tokenizer holds back: text that could be the start of an added token
+        self.added_prefixes = {t[:n] for t in self.added_tokens for n in range(1, len(t))}
+        self.longest_added_prefix = max(map(len, self.added_prefixes), default=0)
         self.patched_regex = patched_regex
 
     def encode(self, text: str) -> list[int]:
@@ -182,10 +185,6 @@ class IncrementalTokenizer:
 
     def _partial_added_token(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some added token."""
-        best = 0
-        for tok in self.tok.added_tokens:
-            for n in range(min(len(tok) - 1, len(text)), best, -1):
-                if text.endswith(tok[:n]):
-                    best = n
-                    break
-        return best
+        prefixes = self.tok.added_prefixes
+        return next((n for n in range(min(self.tok.longest_added_prefix, len(text)), 0, -1)
+                     if text[-n:] in prefixes), 0)
