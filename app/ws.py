@@ -496,8 +496,8 @@ class Session:
             for turn in list(self.live.values()):     # cut off by the session's end: no turn.done to send
                 if turn.handle is not None:
                     turn.handle.cancel()       # frees the batch slot within one step
-                self.svc.metrics.requests.labels("ws", "cancelled").inc()
-            speaker.cancel()                   # before it can finish a turn counted here
+                self.finish(turn, "cancelled", 0, 0.0, 0.0, notify=False)
+            speaker.cancel()                   # before it can finish a turn finished here
             if self.fatal_sent:     # let the sender deliver the error and close, not waiting on a stuck client
                 await asyncio.wait({sender}, timeout=CLOSE_GRACE_S)
             sender.cancel()
