@@ -12,8 +12,6 @@
 - the sampling kernel (Gumbel noise hashed in the kernel) against the plain ops' draws;
 - a sampled scheduler turn with the decode kernels launched as programmatic dependents against the
   same turn launched plainly (`kernels.PDL`): the same kernels, so the same codes, bit for bit;
-- a stack's decode forward as one persistent kernel against its kernels per layer (talker and code
-  predictor, 1-16 rows), and 2,000 of its launches in a row (no barrier hangs);
 - the attention with a row's keys split over programs against the one-program kernel.
 Each check prints a RESULT row with its errors and `ok`; the exit status is 1 if any is not ok.
 
@@ -257,52 +255,6 @@ def vocoder_stream_vs_steps_stream(model) -> dict:
                 pcm_max_abs_diff=round(pcm_diff, 5), ok=equal and pcm_diff < 0.05)
 
 
-def persistent_stack_vs_layer_kernels(model) -> dict:
-    """A decode forward of the talker and of the code predictor as one persistent kernel (its grid
-    barriers across every SM) against the same forward as kernels per layer, on random inputs over
-    random earlier keys, at the row counts it serves: the residual stream and the K/V written. Their
-    GEMMs may take other block sizes, so bf16 rounding apart, not bit for bit. Then 2,000 launches in
-    a row: a barrier that lost an arrival would hang here, and the counter must be back at 0."""
-    g = torch.Generator(device=model.device).manual_seed(4)
-    talker = model.talker
-    stacks = (talker.model, talker.code_predictor.model)
-    was = [s.persistent_decode for s in stacks]
-    rows, worst = [], 0.0
-    for name, stack, t_rows in (("talker", talker.model, ((1, 1), (2, 1))),
-                                ("code_predictor", talker.code_predictor.model, ((1, 2), (1, 1), (2, 1)))):
-        for b, t in t_rows:
-            cache = talker.new_cache(b, 512) if name == "talker" else talker.code_predictor.new_cache(b)
-            cap = cache.capacity
-            start = torch.randint(0, cap - t + 1, (b,), device=model.device, generator=g)
-            for layer in range(cache.num_layers):
-                kv = [torch.randn(b, cap, cache.kv_heads, cache.head_dim, device=model.device, generator=g)
-                      .to(model.dtype) for _ in range(2)]
-                cache.write(layer, *kv, torch.zeros(b, dtype=torch.long, device=model.device))
-            x = (torch.randn(b, t, stack.norm.weight.shape[0], device=model.device, generator=g) * 0.5).to(model.dtype)
-            out = []
-            for persistent in (False, True):
-                stack.persistent_decode = persistent
-                h = stack._decode(x, cache, start).clone()
-                kv = torch.cat([torch.cat(cache.read(layer, b, cap), dim=-1) for layer in range(cache.num_layers)])
-                out.append((h, kv))
-            e_h, e_kv = err(out[1][0], out[0][0]), err(out[1][1], out[0][1])
-            worst = max(worst, e_h["rel_rms"], e_kv["rel_rms"])
-            rows.append(f"{name} {b}x{t}: h {e_h['rel_rms']:.1e}, kv {e_kv['rel_rms']:.1e}")
-    stack = talker.code_predictor.model
-    stack.persistent_decode = True
-    cache = talker.code_predictor.new_cache(1)
-    x = torch.zeros(1, 1, stack.norm.weight.shape[0], dtype=model.dtype, device=model.device)
-    start = torch.ones(1, dtype=torch.long, device=model.device)
-    for _ in range(2000):
-        stack._decode(x, cache, start)
-    torch.cuda.synchronize()
-    counters = [int(s.stacked.barrier) for s in stacks]
-    for s, persistent in zip(stacks, was):
-        s.persistent_decode = persistent
-    return dict(check="persistent_stack_vs_layer_kernels", rel_rms=rows, worst_rel_rms=worst,
-                counters_after=counters, ok=worst < 0.03 and counters == [0, 0])
-
-
 def split_attention_vs_one_program(model) -> dict:
     """`decode_attention` with a row's keys cut over 2 or 4 programs (partials merged by the last to
     arrive) against the one-program kernel, at the talker's first layer over random earlier keys, 1 and
@@ -340,48 +292,6 @@ def split_attention_vs_one_program(model) -> dict:
                 counters_after=counters, ok=worst < 0.01 and kv_equal and counters == [0, 0])
 
 
-def qkv_attention_one_launch_vs_two_kernels(model) -> dict:
-    """`qkv_attention` in one launch (the last of a KV head's programs runs its attention) against
-    `linear` then `decode_attention`, at the first layer of the code predictor (16 positions, its first
-    step's 2 and a later step's 1) and of the talker (1 position over up to 300 earlier keys), 1 and 2
-    rows, every config it may pick: 200 launches each, which must all give the same output and K/V (an
-    attention that read a block before it was written would differ in some), within bf16 rounding of
-    the two kernels' (the GEMM sums in another order), and every arrival counter back at 0."""
-    from engine.model import kernels
-    g = torch.Generator(device=model.device).manual_seed(6)
-    rows, worst, repeatable, counters = [], 0.0, True, 0
-    for name, stack, capacity, t in (("code predictor", model.talker.code_predictor.model, 16, 2),
-                                     ("code predictor", model.talker.code_predictor.model, 16, 1),
-                                     ("talker", model.talker.model, 320, 1)):
-        layer = stack.layers[0]
-        attn, norm = layer.self_attn, layer.input_layernorm
-        for b in (1, 2):
-            cache = (model.talker.code_predictor.new_cache(b) if capacity == 16 else model.talker.new_cache(b, capacity))
-            start = torch.randint(0, capacity - t + 1, (b,), device=model.device, generator=g)
-            kv = [torch.randn(b, capacity, cache.kv_heads, cache.head_dim, device=model.device, generator=g).to(model.dtype)
-                  for _ in range(2)]
-            x = torch.randn(b, t, norm.weight.shape[0], device=model.device, generator=g).to(model.dtype)
-            args = (x, attn.qkv_weight, norm.weight, norm.eps, attn.heads, attn.kv_heads, attn.q_norm.weight,
-                    attn.k_norm.weight, attn.q_norm.eps, stack.inv_freq, cache, 0, start)
-            results = {}
-            with mock.patch.object(kernels, "QKV_ATTENTION", True):        # opt-in: its configs
-                configs = kernels.qkv_attention_configs(b * t, x.shape[-1], cache.head_dim, 2)
-            for config in [kernels.SEPARATE] + configs:
-                cache.write(0, *kv, torch.zeros(b, dtype=torch.long, device=model.device))
-                outs = [kernels.qkv_attention(*args, config=config) for _ in range(1 if config == kernels.SEPARATE else 200)]
-                written = torch.cat(cache.read(0, b, capacity), dim=-1)
-                repeatable &= all(torch.equal(o, outs[0]) for o in outs)
-                results[str(config)] = outs[0], written
-            expected, expected_kv = results.pop(str(kernels.SEPARATE))
-            for config, (out, written) in results.items():
-                e = max(err(out, expected)["rel_rms"], err(written, expected_kv)["rel_rms"])
-                worst = max(worst, e)
-                rows.append(f"{name}, {b} rows, {t} positions, {config}: {e:.1e}")
-            counters += int(kernels._arrival_counters(x.device, "qkv_attention", attn.kv_heads).sum())
-    return dict(check="qkv_attention_one_launch_vs_two_kernels", rel_rms=rows, worst_rel_rms=worst,
-                repeatable=repeatable, counters_after=counters, ok=worst < 0.02 and repeatable and counters == 0)
-
-
 @torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -392,8 +302,7 @@ def main() -> int:
     args = ap.parse_args()
     checks = (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops,
               vocoder_channels_last_vs_first, scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
-              dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, persistent_stack_vs_layer_kernels,
-              split_attention_vs_one_program, qkv_attention_one_launch_vs_two_kernels)
+              dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, split_attention_vs_one_program)
     if args.only:
         names = args.only.split(",")
         unknown = set(names) - {c.__name__ for c in checks}

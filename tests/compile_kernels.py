@@ -51,23 +51,6 @@ def main() -> None:
                       dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, PAGE=page, BLOCK_K=block_k, IEEE=dtype == "fp32",
                            PREFETCH=c["PREFETCH"], **(dict(SPLIT=c["SPLIT"]) if split else {})),
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
-        # the QKV projection and attention core in one launch (opt-in): every config `qkv_attention` may
-        # time and pick at 1 and 16 rows (bf16; the first in fp32), for the talker and the code predictor's
-        # first step
-        k.QKV_ATTENTION = True
-        for rows in (1, 16):
-            for c in k.qkv_attention_configs(rows, 1024, 128, 2 if dtype == "bf16" else 4)[:None if dtype == "bf16" else 1]:
-                for t, page in ((1, 64), (2, 16)):
-                    dot = c["kernel"] == "dot"
-                    build(k._qkv_attention_kernel,
-                          dict(x_ptr=p, w_ptr=p, qkv_ptr=p, norm_w_ptr=p, out_ptr=p, counter_ptr="*i32", anchor_ptr=p,
-                               table_ptr="*i64", start_ptr="*i64", q_w_ptr=p, k_w_ptr=p, inv_freq_ptr="*fp32", B="i32",
-                               K="i32", eps="fp32", stride_table="i32", k_offset="i32", v_offset="i32", capacity="i32",
-                               qk_eps="fp32", scale="fp32"),
-                          dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, PAGE=page, BLOCK_KEYS=min(64, page),
-                               BLOCK_M=16 if dot else k.GEMV_ROWS, BLOCK_N=c["BLOCK_N"], BLOCK_K=1024, DOT=dot,
-                               IEEE=dtype == "fp32", PREFETCH=False, PRELOAD=True),
-                          num_warps=c["num_warps"], num_stages=c["num_stages"])
         # the paged cache's reads and writes (prefill), talker shapes
         build(k._kv_write_kernel, dict(k_ptr=p, v_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64",
                                        rows_ptr="*i64", stride_kb="i32", stride_kt="i32", stride_vb="i32",
@@ -126,20 +109,6 @@ def main() -> None:
                           dict(BLOCK_CO=c["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=c["BLOCK_T"], IEEE=dtype == "fp32",
                                HAS_X_BIAS=x_bias, **unit_out),
                           num_warps=c["num_warps"], num_stages=3)
-        # the persistent decode stack: every config it may time and pick, for the talker (pages of 64) and
-        # the code predictor (pages of 16, 2 positions in its first step), in bf16; the first in fp32
-        for c in k.STACK_DECODE_CONFIGS[:None if dtype == "bf16" else 1]:
-            for t, page in ((1, 64), (2, 16)):
-                build(k._stack_decode_kernel,
-                      dict(x_ptr=p, h_ptr=p, qkv_ptr=p, attn_ptr=p, act_ptr=p, counter_ptr="*i32", w_qkv=p, w_o=p,
-                           w_gate_up=p, w_down=p, norm_in=p, norm_post=p, norm_q=p, norm_k=p, inv_freq_ptr="*fp32",
-                           anchor_ptr=p, table_ptr="*i64", start_ptr="*i64", stride_table="i32", layer_elems="i32",
-                           capacity="i32", B="i32", L="i32", DM="i32", I="i32", eps="fp32", scale="fp32"),
-                      dict(T=t, G=2, HQ=16, HKV=8, D=128, M_ATT=16, PAGE=page, BLOCK_KV=min(64, page),
-                           BLOCK_M=k.GEMV_ROWS, BK_DM=1024, BK_NQ=2048, BK_I=4096, IEEE=dtype == "fp32",
-                           **{name: k._phase_width(n, 132) for name, n in
-                              (("BN_QKV", 4096), ("BN_O", 1024), ("BN_GATE_UP", 3072), ("BN_DOWN", 1024))}),
-                      num_warps=c["num_warps"], num_stages=1)
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
     # fp32 logits (the talker's, with its logits processor folded in or not) and bf16 (the code predictor's

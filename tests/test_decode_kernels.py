@@ -109,130 +109,17 @@ def test_split_attention_matches_the_one_program_attention(kernels, t):
         assert not kernels._arrival_counters(torch.device("cpu"), f"split attention, {t} positions", b * kv_heads).any()
 
 
-def _qkv_attention_case(b: int, t: int, seed: int):
-    """A decode layer's QKV weights and norms, rows x at positions start (the last row at the cache's
-    end), and two identical paged caches with earlier keys."""
-    g = torch.Generator().manual_seed(seed)
-    heads, kv_heads, head_dim, hidden, cap = 4, 2, 32, 64, 40
-    caches = [KVCache(1, b, cap, kv_heads, head_dim, torch.float32, "cpu", page_size=16, reserve_all=True,
-                      separate_pages=True) for _ in range(2)]
-    earlier = torch.randn(b, cap, kv_heads, head_dim, generator=g), torch.randn(b, cap, kv_heads, head_dim, generator=g)
-    for c in caches:
-        c.write(0, *earlier, torch.zeros(b, dtype=torch.long))
-    x = torch.randn(b, t, hidden, generator=g)
-    w = torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g) * 0.1
-    norms = [torch.rand(n, generator=g) + 0.5 for n in (hidden, head_dim, head_dim)]
-    start = torch.tensor([0, 17, cap + 1 - t][-b:])
-    args = (x, w, norms[0], 1e-6, heads, kv_heads, norms[1], norms[2], 1e-6, rope_inv_freq(head_dim, 1e6))
-    return args, caches, start
-
-
-@pytest.fixture
-def one_launch_on(kernels, monkeypatch):
-    monkeypatch.setattr(kernels, "QKV_ATTENTION", True)         # QWEN3_TTS_QKV_ATTENTION=1
-
-
-@pytest.mark.parametrize("b,t", [(1, 1), (3, 2)])
-def test_qkv_attention_in_one_launch_matches_the_two_kernels(kernels, one_launch_on, b, t):
-    """The QKV projection and the attention core in one launch (the last of a KV head's programs to
-    finish its column block runs that head's attention for every row) give what `linear` then
-    `decode_attention` give, with the same cache writes, for every config it may pick; the arrival
-    counters are zero again after every launch."""
-    args, caches, start = _qkv_attention_case(b, t, seed=5)
-    expected = kernels.qkv_attention(*args, caches[0], 0, start, config=kernels.SEPARATE)
-    configs = kernels.qkv_attention_configs(b * t, 64, 32, 4)
-    assert configs and all(c.get("PRELOAD") for c in configs)
-    for config in configs:
-        got = kernels.qkv_attention(*args, caches[1], 0, start, config=config)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=str(config))
-        for a, e in zip(caches[1].read(0, b, 40), caches[0].read(0, b, 40)):
-            torch.testing.assert_close(a, e, atol=1e-5, rtol=0)
-        assert not kernels._arrival_counters(torch.device("cpu"), "qkv_attention", 2).any()
-
-
-def test_qkv_attention_takes_one_launch_only_where_timed_faster(kernels, one_launch_on, timed_on_copies, monkeypatch):
-    """The first call runs the two kernels (timing their configs), then times the one launch's configs
-    over weight copies and a scratch cache's layers, and keeps the one launch where its time beats the
-    sum of the two kernels' picks; a later call launches what was kept."""
-    for name, keep in (("_DOT_CONFIGS", 1), ("_GEMV_CONFIGS", 1), ("_PRELOAD_CONFIGS", 2), ("ATTENTION_CONFIGS", 2)):
-        monkeypatch.setattr(kernels, name, getattr(kernels, name)[:keep])     # fewer configs: the interpreter is slow
-    args, caches, start = _qkv_attention_case(1, 1, seed=6)
-    n_linear = len(kernels.linear_configs(1, 64, False, 4))
-    n_one = len(kernels.qkv_attention_configs(1, 64, 32, 4))
-    key = ("qkv_attention", 1, 1, 64, 4, 2, torch.float32, 40, 16, 40)
-    # the two kernels' picks at 3 + 4 ms; the one launch's second config at 6 ms: it is kept
-    first_one = n_linear + len(kernels.ATTENTION_CONFIGS)
-    timed_on_copies["times"] = {0: 3.0, n_linear: 4.0, first_one + 1: 6.0}
-    expected = kernels.qkv_attention(*args, caches[0], 0, start, config=kernels.SEPARATE)
-    got = kernels.qkv_attention(*args, caches[1], 0, start)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-    assert len(timed_on_copies["launches"]) == first_one + n_one
-    one_launch = timed_on_copies["launches"][first_one]
-    assert [f.keywords["layer"] for f in one_launch] == [0, 1, 2]
-    assert len({f.keywords["weight"].data_ptr() for f in one_launch}) == 3
-    assert kernels._fastest_config[key] == kernels.qkv_attention_configs(1, 64, 32, 4)[1]
-    launched = []
-    monkeypatch.setattr(kernels, "_qkv_attention_launch", lambda config, *a, **kw: launched.append(config))
-    kernels.qkv_attention(*args, caches[1], 0, start)
-    assert launched == [kernels._fastest_config[key]]
-    # slower than the two kernels' sum: they stay
-    monkeypatch.setattr(kernels, "_fastest_config", {})
-    timed_on_copies["launches"].clear()
-    timed_on_copies["times"] = {0: 3.0, n_linear: 4.0}
-    kernels.qkv_attention(*args, caches[1], 0, start)
-    assert kernels._fastest_config[key] == kernels.SEPARATE
-
-
-@pytest.mark.parametrize("t, starts", [(1, [0, 39]), (2, [17]), (2, [38])])
-def test_stack_decode_matches_the_layer_kernels(kernels, t, starts):
-    """The whole stack in one persistent kernel computes what its per-layer kernels compute, for the
-    rows it takes (up to 2: a row's first position, its last in the cache): every layer's K/V written
-    to the same places of a paged cache, the residual stream out (here its grid is one program: the
-    interpreter runs programs one after the other; the GPU checks compare them with the grid of every
-    SM, `bench.gpu_checks`)."""
-    torch.manual_seed(3)
-    cfg = TransformerConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=32)
-    stack = DecoderStack(cfg)
-    with torch.no_grad():
-        for p in stack.parameters():
-            p.normal_(0, 0.1 if p.dim() > 1 else 1).add_(0 if p.dim() > 1 else 1)
-    stack.fuse()
-    b, cap = len(starts), 40
-    caches = [KVCache(3, b, cap, 2, 32, torch.float32, "cpu", page_size=16, reserve_all=True, separate_pages=True)
-              for _ in range(2)]
-    earlier = torch.randn(b, cap, 2, 32), torch.randn(b, cap, 2, 32)
-    for c in caches:
-        for layer in range(3):
-            c.write(layer, *earlier, torch.zeros(b, dtype=torch.long))
-    start = torch.tensor(starts)
-    x = torch.randn(b, t, 64)
-    with torch.no_grad():
-        stack.fused_decode, stack.persistent_decode = True, False
-        expected = stack._decode(x, caches[0], start)
-        stack.persistent_decode = True
-        got = stack._decode(x, caches[1], start)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-    for layer in range(3):
-        for a, e in zip(caches[1].read(layer, b, cap), caches[0].read(layer, b, cap)):
-            torch.testing.assert_close(a, e, atol=1e-5, rtol=0)
-    assert int(stack.stacked.barrier) == 0       # the counter is back at 0 for the next launch
-
-
-@pytest.fixture(scope="module", params=["layer_kernels", "one_launch"])
-def fused_model(request, tiny_model_dir, kernels):
-    """The model on the fused decode path: a stack's decode forward as kernels per layer, or as one
-    persistent kernel (`kernels.stack_decode`)."""
+@pytest.fixture(scope="module")
+def fused_model(tiny_model_dir, kernels):
+    """The model on the fused decode path (the GEMM, attention and sampling kernels)."""
     model = load_model(tiny_model_dir)
     for stack in (model.talker.model, model.talker.code_predictor.model):
         stack.fuse()
         stack.fused_decode = True      # as on CUDA; here the interpreter runs the kernels
-        stack.persistent_decode = request.param == "one_launch"
     return model
 
 
-@pytest.mark.parametrize("fused_model, name", [("layer_kernels", "xvec_eos"), ("layer_kernels", "batch3_icl"),
-                                              ("one_launch", "batch2_eos")], indirect=["fused_model"])
+@pytest.mark.parametrize("name", ["xvec_eos", "batch3_icl"])
 def test_fused_decode_reproduces_golden_codes(fused_model, golden_cases, golden_npz, name):
     """Greedy codes through the fused decode path equal the official implementation's."""
     z = golden_npz(name)
@@ -243,7 +130,6 @@ def test_fused_decode_reproduces_golden_codes(fused_model, golden_cases, golden_
         assert n == min(8, z[f"codes_{i}"].shape[0])
 
 
-@pytest.mark.parametrize("fused_model", ["layer_kernels"], indirect=True)
 def test_fused_decode_samples_the_same_frames(tiny_model_dir, fused_model):
     """Seeded sampling over rows of different lengths: the same frames with and without the kernels."""
     plain = load_model(tiny_model_dir)

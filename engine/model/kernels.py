@@ -16,10 +16,7 @@
   CUDA-core one, whichever times fastest on the device) that also does the RMSNorm before the GEMM
   and the SwiGLU gate or the residual add after it: 5 kernels a layer. Past 16 rows the GEMMs are
   cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own and the residual add in
-  addmm (which first copies the residual: 10 kernels a layer). `qkv_attention` may run the QKV GEMM
-  and the attention core as one launch (opt-in, `QWEN3_TTS_QKV_ATTENTION=1`): the last program to
-  finish a KV head's columns runs that head's attention (an arrival counter), taken where the timing
-  at warm-up finds it faster than the two kernels (on an H100 it never was).
+  addmm (which first copies the residual: 10 kernels a layer).
 - A frame's embedding for the next talker step (16 lookups in 16 tables, summed, plus the text
   term) was ~18 plain kernels a step; `embedding_sum` is one.
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
@@ -35,12 +32,6 @@
   their read from memory overlaps the kernel before instead of following it. A `linear` config may go
   further (`PRELOAD`): a narrow column block loads its whole weight rows into registers before the
   wait, so that after it only x is read; the timing at warm-up decides per shape.
-- `stack_decode` (opt-in, `QWEN3_TTS_PERSISTENT=1`) runs a stack's whole decode forward up to 2 rows
-  as one persistent launch: the same GEMM and attention code dealt out over one program an SM, a grid
-  barrier between a layer's steps, each program's weight rows for a step loaded before the barrier
-  it waits at. It computes what the layer kernels compute; with its weights read after each barrier
-  it was not faster on an H100 or H200 (a barrier costs ~1 us, a step's work was as much as a
-  kernel's: bench/README.md); loaded before it, not timed yet.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
 The tests run the Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
@@ -687,62 +678,36 @@ if triton is not None:
         _linear_store(acc, acc_up, y_ptr, r_ptr, M, N, col0, BLOCK_M, BLOCK_N, GATED, RESIDUAL)
 
     @triton.jit
-    def _block_weights(w_ptr, N, K, col0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
-        """The whole weight rows [BLOCK_N, BLOCK_K >= K] of the column block at col0 (and its up rows,
-        GATED: w is [gate; up]), for `_preloaded_block`; zeros past N and K."""
-        cols = col0 + tl.arange(0, BLOCK_N)
-        k = tl.arange(0, BLOCK_K)
-        w_at = w_ptr + cols[:, None] * K + k[None, :]
-        w_mask = (cols[:, None] < N) & (k[None, :] < K)
-        w = tl.load(w_at, mask=w_mask, other=0.0)
-        w_up = w
-        if GATED:
-            w_up = tl.load(w_at + N * K, mask=w_mask, other=0.0)
-        return w, w_up
-
-    @triton.jit
-    def _preloaded_block(x_ptr, w, w_up, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
-                         GATED: tl.constexpr, RESIDUAL: tl.constexpr):
-        """`_linear_block` of the column block at col0 from its weight rows loaded already
-        (`_block_weights`): x's rows are all it reads."""
-        rows = tl.arange(0, BLOCK_M)
-        k = tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
-        inv = tl.zeros([BLOCK_M], tl.float32)
-        if NORM:
-            inv = tl.rsqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), 1) / K + eps)
-        x = _normed(x, norm_w_ptr, inv, k, K, NORM)
-        acc = _mac(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w, DOT, IEEE)
-        acc_up = acc
-        if GATED:
-            acc_up = _mac(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w_up, DOT, IEEE)
-        _linear_store(acc, acc_up, y_ptr, r_ptr, M, N, col0, BLOCK_M, BLOCK_N, GATED, RESIDUAL)
-
-    @triton.jit
     def _skinny_linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
                               GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
                               PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
-        _skinny_linear_program(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, tl.program_id(0) * BLOCK_N,
-                               BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL, PDL, PREFETCH, PRELOAD)
-
-    @triton.jit
-    def _skinny_linear_program(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
-                               GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                               PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
-        """`_linear_block` of the column block at col0, its weights asked of L2 before the wait; or
+        """`_linear_block` of the column block of program_id(0), its weights asked of L2 before the wait; or
         (PRELOAD, BLOCK_K >= K) the block's whole weight rows loaded into registers before the wait,
         so that after it only x is read: the weights' read overlaps the kernel before."""
+        col0 = tl.program_id(0) * BLOCK_N
         if PRELOAD:
-            w, w_up = _block_weights(w_ptr, N, K, col0, BLOCK_N, BLOCK_K, GATED)
+            cols = col0 + tl.arange(0, BLOCK_N)
+            rows = tl.arange(0, BLOCK_M)
+            k = tl.arange(0, BLOCK_K)
+            w_at = w_ptr + cols[:, None] * K + k[None, :]
+            w_mask = (cols[:, None] < N) & (k[None, :] < K)
+            w = tl.load(w_at, mask=w_mask, other=0.0)
+            w_up = w
+            if GATED:
+                w_up = tl.load(w_at + N * K, mask=w_mask, other=0.0)
             _dependent_launch_start(PDL)
-            _preloaded_block(x_ptr, w, w_up, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
-                             BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL)
+            x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
+            inv = tl.zeros([BLOCK_M], tl.float32)
+            if NORM:
+                inv = tl.rsqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), 1) / K + eps)
+            x = _normed(x, norm_w_ptr, inv, k, K, NORM)
+            acc = _mac(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w, DOT, IEEE)
+            acc_up = acc
+            if GATED:
+                acc_up = _mac(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), x, w_up, DOT, IEEE)
+            _linear_store(acc, acc_up, y_ptr, r_ptr, M, N, col0, BLOCK_M, BLOCK_N, GATED, RESIDUAL)
         else:
             if PREFETCH:
                 _prefetch_weights_l2(w_ptr, col0, N, K, BLOCK_N, BLOCK_K, GATED)
@@ -875,52 +840,27 @@ if triton is not None:
         return x1 * c - x2 * s, x2 * c + x1 * s
 
     @triton.jit
-    def _new_kv(qkv, start, k_w_ptr, inv_freq, stride_qkv_t, eps, kvh, t, dtype: tl.constexpr,
-                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr):
-        """KV head kvh's key at new position t (RMS-normed, rotated; two halves) and value, in the
-        cache's dtype, as the cache will hold them."""
-        HALF: tl.constexpr = D // 2
-        i = tl.arange(0, HALF)
-        src = qkv + t * stride_qkv_t + (HQ + kvh) * D
-        k1 = tl.load(src + i).to(tl.float32)
-        k2 = tl.load(src + HALF + i).to(tl.float32)
-        v = tl.load(qkv + t * stride_qkv_t + (HQ + HKV + kvh) * D + tl.arange(0, D))
-        inv = tl.rsqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + eps)
-        k1 = k1 * inv * tl.load(k_w_ptr + i).to(tl.float32)
-        k2 = k2 * inv * tl.load(k_w_ptr + HALF + i).to(tl.float32)
-        r1, r2 = _rope(k1, k2, (start + t).to(tl.float32), inv_freq, dtype)
-        return r1.to(dtype), r2.to(dtype), v.to(dtype)
-
-    @triton.jit
-    def _attend_new_keys(q1, q2, m_i, l_i, acc, qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq,
-                         stride_qkv_t, capacity, eps, scale, kvh, T: tl.constexpr, G: tl.constexpr,
-                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr, PAGE: tl.constexpr):
-        """`_attend`'s online softmax carried over KV head kvh's T new keys, taken from qkv (normed and
-        rotated here) rather than read back from the cache: no store waits for its load. Query row r
-        (position start + r // G) sees the new keys up to its own. The keys and values go to the cache
-        as well (positions past the capacity land in the scratch page)."""
+    def _write_new_kv(qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq, stride_qkv_t, capacity, eps, kvh,
+                      T: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
+        """KV head kvh's T new keys (RMS-normed, rotated) and values to the cache (positions past the
+        capacity land in the scratch page)."""
         HALF: tl.constexpr = D // 2
         dtype = k_cache.dtype.element_ty
         i = tl.arange(0, HALF)
         d = tl.arange(0, D)
-        r = tl.arange(0, M)
+        kw1 = tl.load(k_w_ptr + i).to(tl.float32)
+        kw2 = tl.load(k_w_ptr + HALF + i).to(tl.float32)
         for t in tl.static_range(T):
-            k1, k2, v = _new_kv(qkv, start, k_w_ptr, inv_freq, stride_qkv_t, eps, kvh, t, dtype, HQ, HKV, D)
+            src = qkv + t * stride_qkv_t + (HQ + kvh) * D
+            k1 = tl.load(src + i).to(tl.float32)
+            k2 = tl.load(src + HALF + i).to(tl.float32)
+            inv = tl.rsqrt((tl.sum(k1 * k1, 0) + tl.sum(k2 * k2, 0)) / D + eps)
+            r1, r2 = _rope(k1 * inv * kw1, k2 * inv * kw2, (start + t).to(tl.float32), inv_freq, dtype)
             pos = tl.minimum(start + t, capacity)
             dst = tl.multiple_of(tl.load(pages + pos // PAGE) + (pos % PAGE) * (HKV * D), 16)
-            tl.store(k_cache + dst + i, k1)
-            tl.store(k_cache + dst + HALF + i, k2)
-            tl.store(v_cache + dst + d, v)
-            s = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32)[None, :], 1)
-                 + tl.sum(q2.to(tl.float32) * k2.to(tl.float32)[None, :], 1))
-            s = tl.where(r // G >= t, s * scale, float("-inf"))     # key t: the rows of positions from t on
-            m_new = tl.maximum(m_i, s)
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p.to(dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
-            m_i = m_new
-        return m_i, l_i, acc
+            tl.store(k_cache + dst + i, r1.to(dtype))
+            tl.store(k_cache + dst + HALF + i, r2.to(dtype))
+            tl.store(v_cache + dst + d, tl.load(qkv + t * stride_qkv_t + (HQ + HKV + kvh) * D + d))
 
     @triton.jit
     def _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, dtype: tl.constexpr,
@@ -943,12 +883,12 @@ if triton is not None:
         return q1.to(dtype), q2.to(dtype)
 
     @triton.jit
-    def _attend(q1, q2, k_cache, v_cache, pages, k_begin, k_end, scale,
+    def _attend(q1, q2, last, k_cache, v_cache, pages, k_begin, k_end, scale,
                 HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr,
                 IEEE: tl.constexpr):
-        """Online softmax of the M query rows over cached keys k_begin .. k_end-1 (k_begin a multiple
-        of BLOCK_K), all of them before every row's position: the running max, the sum of exp and the
-        unnormalised output [M, D], all fp32 (-inf, 0, 0 when the range is empty)."""
+        """Online softmax of the M query rows over keys k_begin .. k_end-1 (k_begin a multiple of
+        BLOCK_K), each row causally up to its position `last`: the running max, the sum of exp and the
+        unnormalised output [M, D], all fp32."""
         HALF: tl.constexpr = D // 2
         dtype = k_cache.dtype.element_ty
         i = tl.arange(0, HALF)
@@ -972,7 +912,7 @@ if triton is not None:
                      + tl.dot(q2, tl.trans(keys2), input_precision="ieee"))
             else:
                 s = tl.dot(q1, tl.trans(keys1)) + tl.dot(q2, tl.trans(keys2))
-            s = tl.where(in_range[None, :], s * scale, float("-inf"))
+            s = tl.where((idx[None, :] <= last[:, None]) & in_range[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
@@ -994,22 +934,32 @@ if triton is not None:
         tl.store(dst, o.to(out.dtype.element_ty), mask=(r < T * G)[:, None])
 
     @triton.jit
+    def _new_keys_then_queries(qkv, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr, stride_qkv_t,
+                               capacity, eps, kvh, T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr,
+                               HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr, PAGE: tl.constexpr):
+        """KV head kvh's new keys and values to the cache (every key is then read back from it), and
+        its `_group_queries`."""
+        inv_freq = tl.load(inv_freq_ptr + tl.arange(0, D // 2))
+        _write_new_kv(qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq, stride_qkv_t, capacity, eps, kvh,
+                      T, HQ, HKV, D, PAGE)
+        tl.debug_barrier()
+        return _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, k_cache.dtype.element_ty,
+                              T, G, D, M)
+
+    @triton.jit
     def _attention_group(qkv, out, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr,
                          stride_qkv_t, stride_out_t, capacity, eps, scale, kvh,
                          T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                          M: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        """KV head kvh of one row: its G query heads at each of the T new positions attend causally
-        over the row's cached keys and the T new ones (normed and rotated from qkv, and written to the
-        cache). qkv, out: the row's [T, ...] projections and output; k_cache, v_cache: the layer's K
-        and V of head kvh in a page; pages: the row's page offsets from them; start: the row's first
-        new position."""
-        inv_freq = tl.load(inv_freq_ptr + tl.arange(0, D // 2))
-        q1, q2 = _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, k_cache.dtype.element_ty,
-                                T, G, D, M)
-        m_i, l_i, acc = _attend(q1, q2, k_cache, v_cache, pages, 0, tl.minimum(start, capacity), scale,
-                                HKV, D, M, PAGE, BLOCK_K, IEEE)
-        m_i, l_i, acc = _attend_new_keys(q1, q2, m_i, l_i, acc, qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq,
-                                         stride_qkv_t, capacity, eps, scale, kvh, T, G, HQ, HKV, D, M, PAGE)
+        """KV head kvh of one row: its T new keys (normed, rotated) and values to the cache, then its G
+        query heads at each of the T positions attend causally over the row's keys. qkv, out: the row's
+        [T, ...] projections and output; k_cache, v_cache: the layer's K and V of head kvh in a page;
+        pages: the row's page offsets from them; start: the row's first new position."""
+        q1, q2 = _new_keys_then_queries(qkv, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr,
+                                        stride_qkv_t, capacity, eps, kvh, T, G, HQ, HKV, D, M, PAGE)
+        last = start + tl.arange(0, M) // G
+        m_i, l_i, acc = _attend(q1, q2, last, k_cache, v_cache, pages, 0, tl.minimum(start + T, capacity + 1),
+                                scale, HKV, D, M, PAGE, BLOCK_K, IEEE)
         _store_heads(out, acc / l_i[:, None], stride_out_t, kvh, T, G, D, M)
 
     @triton.jit
@@ -1045,11 +995,12 @@ if triton is not None:
                          capacity, eps, scale, kvh, T, G, HQ, HKV, D, M, PAGE, BLOCK_K, IEEE)
 
     @triton.jit
-    def _split_range(cached, split, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Cached keys [k_begin, k_end) of program `split` of SPLIT for a row of `cached` keys before its
-        new positions: whole blocks, as even a share as they allow (later programs may get none)."""
-        per = tl.cdiv(tl.cdiv(cached, BLOCK_K), SPLIT) * BLOCK_K
-        return split * per, tl.minimum(cached, split * per + per)
+    def _split_range(start, T: tl.constexpr, capacity, split, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Keys [k_begin, k_end) of program `split` of SPLIT for a row whose new positions start at
+        `start`: whole blocks, as even a share as they allow (later programs may get none)."""
+        end = tl.minimum(start + T, capacity + 1)
+        per = tl.cdiv(tl.cdiv(end, BLOCK_K), SPLIT) * BLOCK_K
+        return split * per, tl.minimum(end, split * per + per)
 
     @triton.jit
     def _split_attention_kernel(
@@ -1061,12 +1012,12 @@ if triton is not None:
             PREFETCH: tl.constexpr, SPLIT: tl.constexpr):
         """`_attention_group` of row program_id(0), KV head program_id(1) with its keys cut in SPLIT
         ranges of whole blocks, one a program (program_id(2)): at a few rows, a long context's blocks are
-        read side by side instead of one after another. The first program takes the new keys as well
-        (and writes them to the cache). Every program leaves its softmax partials in `part_ptr` and
-        counts itself in at `counter_ptr`; the last to arrive merges the partials, writes the output and
-        sets the counter back to 0 for the next launch. A row of fewer than SPLIT blocks of cached keys
-        is not cut: its first program does it all as `_decode_attention_kernel` would, the others leave
-        at once (one kernel serves a graph's every length: the decode graphs have one kv bucket)."""
+        read side by side instead of one after another. Every program writes the same new keys and
+        values (so each reads back its own write), leaves its softmax partials in `part_ptr` and counts
+        itself in at `counter_ptr`; the last to arrive merges the partials, writes the output and sets
+        the counter back to 0 for the next launch. A row of fewer than SPLIT blocks of keys is not cut:
+        its first program does it all as `_decode_attention_kernel` would, the others leave at once
+        (one kernel serves a graph's every length: the decode graphs have one kv bucket)."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -1074,29 +1025,25 @@ if triton is not None:
         k_cache = anchor_ptr + k_offset + kvh * D
         v_cache = anchor_ptr + v_offset + kvh * D
         if PREFETCH:     # this program's share of the keys as the positions are before the wait (a hint)
-            k_begin, k_end = _split_range(tl.minimum(tl.load(start_ptr + b), capacity), split, SPLIT, BLOCK_K)
-            _prefetch_older_kv(k_cache, v_cache, pages, k_begin, k_end, HKV, D, PAGE, BLOCK_K)
+            older = tl.load(start_ptr + b)
+            k_begin, k_end = _split_range(older, T, capacity, split, SPLIT, BLOCK_K)
+            _prefetch_older_kv(k_cache, v_cache, pages, k_begin, tl.minimum(k_end, tl.minimum(older, capacity)),
+                               HKV, D, PAGE, BLOCK_K)
         _dependent_launch_start(PDL)
         start = tl.load(start_ptr + b)
-        if tl.minimum(start, capacity) < SPLIT * BLOCK_K:
+        if tl.minimum(start + T, capacity + 1) < SPLIT * BLOCK_K:
             if split == 0:
                 _attention_group(qkv_ptr + b * stride_qkv_b, out_ptr + b * stride_out_b, k_cache, v_cache, pages, start,
                                  q_w_ptr, k_w_ptr, inv_freq_ptr, stride_qkv_t, stride_out_t, capacity, eps, scale, kvh,
                                  T, G, HQ, HKV, D, M, PAGE, BLOCK_K, IEEE)
         else:
-            k_begin, k_end = _split_range(tl.minimum(start, capacity), split, SPLIT, BLOCK_K)
-            qkv = qkv_ptr + b * stride_qkv_b
-            inv_freq = tl.load(inv_freq_ptr + tl.arange(0, D // 2))
-            q1, q2 = _group_queries(qkv, start, q_w_ptr, inv_freq, stride_qkv_t, eps, kvh, k_cache.dtype.element_ty,
-                                    T, G, D, M)
-            m_i, l_i, acc = _attend(q1, q2, k_cache, v_cache, pages, k_begin, k_end, scale,
-                                    HKV, D, M, PAGE, BLOCK_K, IEEE)
-            if split == 0:
-                m_i, l_i, acc = _attend_new_keys(q1, q2, m_i, l_i, acc, qkv, k_cache, v_cache, pages, start, k_w_ptr,
-                                                 inv_freq, stride_qkv_t, capacity, eps, scale, kvh,
-                                                 T, G, HQ, HKV, D, M, PAGE)
+            k_begin, k_end = _split_range(start, T, capacity, split, SPLIT, BLOCK_K)
+            q1, q2 = _new_keys_then_queries(qkv_ptr + b * stride_qkv_b, k_cache, v_cache, pages, start, q_w_ptr, k_w_ptr,
+                                            inv_freq_ptr, stride_qkv_t, capacity, eps, kvh, T, G, HQ, HKV, D, M, PAGE)
             r = tl.arange(0, M)
             d = tl.arange(0, D)
+            m_i, l_i, acc = _attend(q1, q2, start + r // G, k_cache, v_cache, pages, k_begin, k_end, scale,
+                                    HKV, D, M, PAGE, BLOCK_K, IEEE)
             # partials of (row, KV head): SPLIT x [M] maxima, [M] sums, [M, D] outputs, fp32
             group = b * HKV + kvh
             part = part_ptr + group * SPLIT * M * (D + 2)
@@ -1115,44 +1062,11 @@ if triton is not None:
                 o = tl.zeros([M, D], tl.float32)
                 for s in tl.static_range(SPLIT):
                     w = tl.exp(tl.load(part + s * M + r, cache_modifier=".cg") - m_all)
+                    w = tl.where(m_all == float("-inf"), 0.0, w)        # padding rows: no key at all
                     l_all += w * tl.load(part + (SPLIT + s) * M + r, cache_modifier=".cg")
                     o += w[:, None] * tl.load(part + 2 * SPLIT * M + s * M * D + r[:, None] * D + d[None, :],
                                               cache_modifier=".cg")
                 _store_heads(out_ptr + b * stride_out_b, o / l_all[:, None], stride_out_t, kvh, T, G, D, M)
-
-
-    @triton.jit
-    def _qkv_attention_kernel(
-            x_ptr, w_ptr, qkv_ptr, norm_w_ptr, out_ptr, counter_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr,
-            k_w_ptr, inv_freq_ptr, B, K, eps, stride_table, k_offset, v_offset, capacity, qk_eps, scale,
-            T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-            M: tl.constexpr, PAGE: tl.constexpr, BLOCK_KEYS: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr,
-            PDL: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
-        """A decode layer's QKV projection (its input norm folded in, as `linear`) and attention core
-        (`_attention_group`, as `decode_attention`) in one launch. Each program computes its column
-        block of qkv [B * T, (HQ + 2 HKV) * D] (BLOCK_N divides D: a block is in one head), then counts
-        itself in at its KV head's counter; the last of a KV head's (G + 2) * D / BLOCK_N programs (its
-        query heads', key's and value's blocks) runs that KV head's attention for every row and sets the
-        counter back to 0. What the attention kernel's own launch costs (its wait for the projection,
-        its loads of qkv from afar) is saved where its work is short: the code predictor's <= 16 keys."""
-        N: tl.constexpr = (HQ + 2 * HKV) * D
-        col0 = tl.program_id(0) * BLOCK_N
-        _skinny_linear_program(x_ptr, w_ptr, qkv_ptr, x_ptr, norm_w_ptr, B * T, N, K, eps, col0, BLOCK_M, BLOCK_N,
-                               BLOCK_K, DOT, IEEE, True, False, False, PDL, PREFETCH, PRELOAD)
-        head = col0 // D                                      # of qkv's HQ query, HKV key and HKV value heads
-        kvh = tl.where(head < HQ, head // G, (head - HQ) % HKV)
-        tl.debug_barrier()                                     # the program's threads have all written
-        arrived = tl.atomic_add(counter_ptr + kvh, 1, sem="acq_rel", scope="gpu")
-        if arrived == (G + 2) * D // BLOCK_N - 1:              # the last: the KV head's q, k and v are written
-            tl.debug_barrier()
-            tl.store(counter_ptr + kvh, 0)
-            k_cache = anchor_ptr + k_offset + kvh * D
-            v_cache = anchor_ptr + v_offset + kvh * D
-            for b in range(B):
-                _attention_group(qkv_ptr + b * T * N, out_ptr + b * T * HQ * D, k_cache, v_cache,
-                                 table_ptr + b * stride_table, tl.load(start_ptr + b), q_w_ptr, k_w_ptr, inv_freq_ptr,
-                                 N, HQ * D, capacity, qk_eps, scale, kvh, T, G, HQ, HKV, D, M, PAGE, BLOCK_KEYS, IEEE)
 
 
 def decode_attention_supports(head_dim: int) -> bool:
@@ -1265,100 +1179,6 @@ def attention_timing_key(rows: int, t: int, heads: int, kv_heads: int, dtype: to
             _timing_keys(cache, kmax))
 
 
-# `qkv_attention` as two kernels, `linear`'s and `decode_attention`'s
-SEPARATE = dict(kernel="separate")
-# Opt-in (QWEN3_TTS_QKV_ATTENTION=1): on an H100 the one launch never timed faster than the two
-# kernels, at 1-8 rows, for the code predictor or the talker (call BV, bench/README.md), and timing it
-# lengthens the warm-up.
-QKV_ATTENTION = os.environ.get("QWEN3_TTS_QKV_ATTENTION", "0") == "1"
-
-
-def qkv_attention_configs(rows: int, k: int, head_dim: int, element_size: int) -> list[dict]:
-    """The one-launch configs `qkv_attention` times: `linear`'s preloaded configs for these rows whose
-    column blocks lie in one head (none unless QWEN3_TTS_QKV_ATTENTION=1)."""
-    return [c for c in linear_configs(rows, k, False, element_size)
-            if QKV_ATTENTION and c.get("PRELOAD") and head_dim % c["BLOCK_N"] == 0]
-
-
-def qkv_attention(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, heads: int,
-                  kv_heads: int, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, qk_eps: float,
-                  inv_freq: torch.Tensor, cache, layer: int, start: torch.Tensor, kmax: int | None = None,
-                  config: dict | None = None) -> torch.Tensor:
-    """`decode_attention`(`linear`(x, weight, norm_weight, eps), ...) -> [B, T, heads * head_dim]: a
-    decode layer's normed QKV projection and attention core, as those two kernels or in one launch
-    (`_qkv_attention_kernel`), whichever was timed faster for these shapes (config: SEPARATE or one of
-    `qkv_attention_configs`). The two kernels' configs are timed first, at this call, then the one
-    launch's (on weight copies and a scratch cache, as theirs), and its time is set against the sum of
-    theirs: a kernel replayed after itself is timed with its launch and wait, which the one launch saves
-    once. Until timed (the first call, elsewhere than on a GPU, in a graph's capture) it is the two."""
-    b, t, k = x.shape
-    key = ("qkv_attention", b, t, k, heads, kv_heads, x.dtype, cache.capacity, cache.page_size, _timing_keys(cache, kmax))
-    config = config or _fastest_config.get(key)
-    if config is None or config == SEPARATE:
-        qkv = linear(x, weight, norm_weight, eps)
-        out = decode_attention(qkv, heads, kv_heads, q_norm_weight, k_norm_weight, qk_eps, inv_freq, cache, layer,
-                               start, kmax=kmax)
-        if config is None and torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():
-            separate = (linear_timing_key(b * t, weight.shape[0], k, x.dtype, True, False, False),
-                        attention_timing_key(b, t, heads, kv_heads, x.dtype, cache, kmax))
-            _fastest_config[key] = _one_launch_if_faster(key, x, weight, norm_weight, eps, heads, kv_heads, q_norm_weight,
-                                                         k_norm_weight, qk_eps, inv_freq, cache, start, kmax, separate)
-        return out
-    return _qkv_attention_launch(config, x, weight, norm_weight, eps, heads, kv_heads, q_norm_weight, k_norm_weight,
-                                 qk_eps, inv_freq, cache, layer, start)
-
-
-def _qkv_attention_launch(config, x, weight, norm_weight, eps, heads, kv_heads, q_norm_weight, k_norm_weight, qk_eps,
-                          inv_freq, cache, layer, start, compile_only=False) -> torch.Tensor:
-    """`_qkv_attention_kernel` with one of `qkv_attention_configs`."""
-    b, t, k = x.shape
-    head_dim = cache.head_dim
-    if (weight.shape[0] != (heads + 2 * kv_heads) * head_dim or kv_heads != cache.kv_heads
-            or head_dim % config["BLOCK_N"] or b * t > SKINNY_ROWS):
-        raise ValueError(f"qkv_attention: unsupported shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"cache of {cache.kv_heads} x {head_dim}, config {config}")
-    x = x.contiguous()
-    qkv = torch.empty(b * t, weight.shape[0], dtype=x.dtype, device=x.device)
-    out = torch.empty(b, t, heads * head_dim, dtype=x.dtype, device=x.device)
-    dot = config["kernel"] == "dot"
-    k_offset, v_offset = cache.layer_offsets(layer)
-    _launch(_qkv_attention_kernel, (triton.cdiv(weight.shape[0], config["BLOCK_N"]),),
-            (x, weight, qkv, norm_weight, out, _arrival_counters(x.device, "qkv_attention", kv_heads), cache.anchor,
-             cache.table, start, q_norm_weight, k_norm_weight, inv_freq, b, k, eps, cache.table.stride(0), k_offset,
-             v_offset, cache.capacity, qk_eps, head_dim ** -0.5),
-            dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
-                 M=_query_rows(t, heads, kv_heads), PAGE=cache.page_size, BLOCK_KEYS=_key_block(cache, 64),
-                 BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=config["BLOCK_N"], BLOCK_K=triton.next_power_of_2(k),
-                 DOT=dot, IEEE=x.dtype == torch.float32, PRELOAD=True, num_warps=config["num_warps"],
-                 num_stages=config["num_stages"], **_pdl(x, prefetch=False)), compile_only)
-    return out
-
-
-def _one_launch_if_faster(key, x, weight, norm_weight, eps, heads, kv_heads, q_norm_weight, k_norm_weight, qk_eps,
-                          inv_freq, cache, start, kmax, separate: tuple) -> dict:
-    """The fastest of `qkv_attention_configs`, timed over weight copies and a scratch cache's layers
-    that together overflow L2, if it beats the sum of the two kernels' timed picks; else SEPARATE."""
-    b, t, k = x.shape
-    configs = qkv_attention_configs(b * t, k, cache.head_dim, x.element_size())
-    if not configs or any(s not in _fastest_time for s in separate):
-        return SEPARATE
-    keys = _timing_keys(cache, kmax)
-    kv_bytes = b * keys * 2 * kv_heads * cache.head_dim * x.element_size()
-    n = max(copies_beyond_l2(weight.numel() * weight.element_size(), x.device), copies_beyond_l2(kv_bytes, x.device))
-    scratch, scratch_start = _timing_cache(cache, n, b, t, start, keys)
-    weights = [weight] + [weight.clone() for _ in range(n - 1)]
-
-    def launch(c, compile_only=False, weight=weight, layer=0):
-        _qkv_attention_launch(c, x, weight, norm_weight, eps, heads, kv_heads, q_norm_weight, k_norm_weight, qk_eps,
-                              inv_freq, scratch, layer, scratch_start, compile_only)
-
-    def copies():
-        return [functools.partial(launch, weight=w, layer=i) for i, w in enumerate(weights)]
-    one_launch = _fastest(key + ("one launch",), configs, launch, copies)
-    faster = _fastest_time[key + ("one launch",)] < sum(_fastest_time[s] for s in separate)
-    return one_launch if faster else SEPARATE
-
-
 @functools.cache
 def _arrival_counters(device: torch.device, kernel: str, n: int) -> torch.Tensor:
     """`n` arrival counters of a kernel whose last program of a group counts itself in and sets the
@@ -1380,198 +1200,6 @@ def _timing_cache(cache, layers: int, rows: int, t: int, start: torch.Tensor, ke
     scratch = type(cache)(layers, rows, keys, cache.kv_heads, cache.head_dim, cache.anchor.dtype, cache.anchor.device,
                           cache.page_size, reserve_all=True, separate_pages=cache.separate_pages)
     return scratch, torch.full((rows,), max(0, keys - t), dtype=start.dtype, device=start.device)
-
-
-# QWEN3_TTS_PERSISTENT=1: a whole decode forward of a transformer stack up to 2 rows in one launch
-# (`stack_decode`) instead of a kernel per GEMM and attention core. Opt-in: on an H100 it was 4% slower
-# at one row and 14% at eight while its GEMMs read their weights after each barrier (bench/README.md,
-# 2026-12-06 second session); loaded before it, as now, not timed yet.
-PERSISTENT = os.environ.get("QWEN3_TTS_PERSISTENT", "0") == "1"
-
-if triton is not None:
-    @triton.jit
-    def _grid_sync(counter_ptr, target):
-        """A barrier across the grid of a persistent kernel: wait until the programs' arrivals at the
-        counter reach `target` (the barriers passed so far times the programs). What a program wrote
-        before it is seen by every program after it: the arrival releases, the wait acquires."""
-        tl.debug_barrier()                                  # the program's threads have all written
-        tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-        while tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu") < target:
-            pass
-        tl.debug_barrier()
-
-    @triton.jit
-    def _grid_last_arrival(counter_ptr, target):
-        """A persistent kernel's last arrival (`target`: all its arrivals, every program's): no program
-        waits for it (the kernel's end is the barrier), and the program that completes it sets the
-        counter back to 0 for the next launch; by then every other program has passed its last wait."""
-        tl.debug_barrier()
-        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == target - 1:
-            tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
-    def _gemm_phase(x_ptr, w_ptr, w, w_up, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, pid, P,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                    NORM: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
-        """Every column block of y (on the CUDA cores), dealt out round-robin to the P programs: the
-        program's first from its weight rows loaded already (w, w_up: `_block_weights` of column
-        pid * BLOCK_N, before the barrier this phase waited at), any further one (a grid smaller than
-        the blocks: the CPU's one program) loaded here."""
-        if pid * BLOCK_N < N:
-            _preloaded_block(x_ptr, w, w_up, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, pid * BLOCK_N,
-                             BLOCK_M, BLOCK_N, BLOCK_K, False, IEEE, NORM, GATED, RESIDUAL)
-        for col0 in range((pid + P) * BLOCK_N, N, P * BLOCK_N):
-            w_more, w_more_up = _block_weights(w_ptr, N, K, col0, BLOCK_N, BLOCK_K, GATED)
-            _preloaded_block(x_ptr, w_more, w_more_up, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
-                             BLOCK_M, BLOCK_N, BLOCK_K, False, IEEE, NORM, GATED, RESIDUAL)
-
-    @triton.jit
-    def _stack_decode_kernel(
-            x_ptr, h_ptr, qkv_ptr, attn_ptr, act_ptr, counter_ptr,
-            w_qkv, w_o, w_gate_up, w_down, norm_in, norm_post, norm_q, norm_k, inv_freq_ptr,
-            anchor_ptr, table_ptr, start_ptr, stride_table, layer_elems, capacity,
-            B, L, DM, I, eps, scale,
-            T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-            M_ATT: tl.constexpr, PAGE: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_M: tl.constexpr,
-            BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GATE_UP: tl.constexpr, BN_DOWN: tl.constexpr,
-            BK_DM: tl.constexpr, BK_NQ: tl.constexpr, BK_I: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-        """`DecoderStack._decode` in one launch: per layer the same five steps as its kernels (QKV GEMM
-        with the input norm, attention core, output GEMM + residual, gate/up GEMM with the norm and the
-        gate, down GEMM + residual), each dealt out over the grid's programs, with a grid barrier
-        between them (~1.1 us each on an H100 with a program an SM); the GEMMs on the CUDA cores, for
-        up to BLOCK_M (`GEMV_ROWS`) rows. A program loads the weight rows of its block of the next GEMM
-        into registers before it arrives at the barrier that GEMM waits at (the first layer's QKV
-        before the kernel's dependent-launch wait), so that after a barrier it reads only the few rows
-        of x: as `linear`'s preloaded configs overlap a kernel's weights with the kernel before.
-        (Streamed after the barrier, a step took ~7 us at one row on an H100, about what a kernel of
-        its own took; asked of L2 before it, 8% slower still.) BK_*: the GEMMs' K (DM, HQ * D, I) as
-        powers of two. h = the residual stream [B*T, DM] (the input x copied in first). The grid must
-        fit on the GPU at once (one program an SM): a barrier waits for every program."""
-        pid = tl.program_id(0)
-        P = tl.num_programs(0)
-        M = B * T
-        NQ = HQ * D
-        NQKV = (HQ + 2 * HKV) * D
-        w_qkv_block = _block_weights(w_qkv, NQKV, DM, pid * BN_QKV, BN_QKV, BK_DM, False)[0]
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        rows = tl.arange(0, BLOCK_M)[:, None]
-        for c0 in range(pid * BK_DM, DM, P * BK_DM):
-            c = c0 + tl.arange(0, BK_DM)[None, :]
-            mask = (rows < M) & (c < DM)
-            tl.store(h_ptr + rows * DM + c, tl.load(x_ptr + rows * DM + c, mask=mask), mask=mask)
-        _grid_sync(counter_ptr, P)
-        for layer in range(L):
-            passed = 1 + 5 * layer                   # barriers passed so far (the copy's, 5 a layer)
-            wqkv = w_qkv + layer * NQKV * DM
-            wo = w_o + layer * DM * NQ
-            wgu = w_gate_up + layer * 2 * I * DM
-            wd = w_down + layer * DM * I
-            _gemm_phase(h_ptr, wqkv, w_qkv_block, w_qkv_block, qkv_ptr, h_ptr, norm_in + layer * DM, M, NQKV, DM, eps,
-                        pid, P, BLOCK_M, BN_QKV, BK_DM, IEEE, True, False, False)
-            w_o_block = _block_weights(wo, DM, NQ, pid * BN_O, BN_O, BK_NQ, False)[0]
-            _grid_sync(counter_ptr, (passed + 1) * P)
-            for item in range(pid, B * HKV, P):
-                b = item // HKV
-                kvh = item % HKV
-                _attention_group(qkv_ptr + b * T * NQKV, attn_ptr + b * T * NQ,
-                                 anchor_ptr + layer * layer_elems + kvh * D,
-                                 anchor_ptr + (L + layer) * layer_elems + kvh * D, table_ptr + b * stride_table,
-                                 tl.load(start_ptr + b), norm_q + layer * D, norm_k + layer * D, inv_freq_ptr,
-                                 NQKV, NQ, capacity, eps, scale, kvh, T, G, HQ, HKV, D, M_ATT, PAGE, BLOCK_KV, IEEE)
-            _grid_sync(counter_ptr, (passed + 2) * P)
-            _gemm_phase(attn_ptr, wo, w_o_block, w_o_block, h_ptr, h_ptr, h_ptr, M, DM, NQ, eps,
-                        pid, P, BLOCK_M, BN_O, BK_NQ, IEEE, False, False, True)
-            w_gate, w_up = _block_weights(wgu, I, DM, pid * BN_GATE_UP, BN_GATE_UP, BK_DM, True)
-            _grid_sync(counter_ptr, (passed + 3) * P)
-            _gemm_phase(h_ptr, wgu, w_gate, w_up, act_ptr, h_ptr, norm_post + layer * DM, M, I, DM, eps,
-                        pid, P, BLOCK_M, BN_GATE_UP, BK_DM, IEEE, True, True, False)
-            w_down_block = _block_weights(wd, DM, I, pid * BN_DOWN, BN_DOWN, BK_I, False)[0]
-            _grid_sync(counter_ptr, (passed + 4) * P)
-            _gemm_phase(act_ptr, wd, w_down_block, w_down_block, h_ptr, h_ptr, h_ptr, M, DM, I, eps,
-                        pid, P, BLOCK_M, BN_DOWN, BK_I, IEEE, False, False, True)
-            if layer + 1 < L:
-                w_qkv_block = _block_weights(wqkv + NQKV * DM, NQKV, DM, pid * BN_QKV, BN_QKV, BK_DM, False)[0]
-                _grid_sync(counter_ptr, (passed + 5) * P)
-        _grid_last_arrival(counter_ptr, (5 * L + 1) * P)
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-
-
-# Launch configs `stack_decode` times (the first is taken untimed): a GEMM's column blocks are as wide as
-# it takes to give every program one (`_phase_width`), whose weight rows it holds in registers (a gate/up
-# block of 32 columns is 128 KB: 8 or 16 warps). Only up to GEMV_ROWS rows: with the tensor cores' 16-row
-# tiles held as well, ptxas spilled 35-49 KB a thread (sm_90, the 0.6B model's shapes).
-STACK_DECODE_CONFIGS = [dict(num_warps=w) for w in (16, 8)]
-
-
-def _phase_width(n: int, programs: int) -> int:
-    """Columns a block of an n-column GEMM phase spread over `programs`: one block each (or none), a
-    power of two from 2 to 32 (more blocks than programs beyond)."""
-    return max(2, min(triton.next_power_of_2(triton.cdiv(n, programs)), 32))
-
-
-@functools.cache
-def _programs(device: torch.device) -> int:
-    """The grid of a persistent kernel: one program an SM (on the CPU, Triton's interpreter runs the
-    programs one after the other, so a barrier would wait forever for a second one: one)."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(sms, int(os.environ.get("QWEN3_TTS_PERSISTENT_PROGRAMS", sms)))
-
-
-def stack_decode(x: torch.Tensor, stacked, inv_freq: torch.Tensor, cache, start: torch.Tensor,
-                 config: dict | None = None) -> torch.Tensor:
-    """All layers of a decode forward in one persistent kernel -> the residual stream [B, T, D] (not
-    final-normed): what `DecoderStack._decode` computes with 5 kernels a layer, for B * T <= GEMV_ROWS.
-
-    x [B, T, D]: the new positions start[b].. of row b = slot b of `cache`. stacked: the stack's
-    weights, every layer's in one tensor a kind (`layers.StackedLayers`), and the barrier counter.
-    At one row a step of 28 layers was 140 launches of a few microseconds each, bound by their chain
-    of launch and dependent-load latencies rather than by reading the weights.
-    """
-    b, t, dm = x.shape
-    rows = b * t
-    heads, kv_heads, head_dim = stacked.heads, stacked.kv_heads, stacked.head_dim
-    layers, nq, inter = stacked.qkv.shape[0], heads * head_dim, stacked.down.shape[2]
-    if rows > GEMV_ROWS or not decode_attention_supports(head_dim) or cache.page_size < 16:
-        raise ValueError(f"stack_decode: unsupported shapes x {tuple(x.shape)}, head_dim {head_dim}, "
-                         f"pages of {cache.page_size}")
-    x = x.contiguous()
-    h = torch.empty_like(x)
-    qkv = x.new_empty(rows, (heads + 2 * kv_heads) * head_dim)
-    attn = x.new_empty(rows, nq)
-    act = x.new_empty(rows, inter)
-
-    programs = _programs(x.device)
-
-    def launch(c, cache=cache, start=start, compile_only=False):
-        block_kv = _key_block(cache, 64)
-        _launch(_stack_decode_kernel, (programs,),
-                (x, h, qkv, attn, act, stacked.barrier, stacked.qkv, stacked.o, stacked.gate_up, stacked.down,
-                 stacked.input_norm, stacked.post_norm, stacked.q_norm, stacked.k_norm, inv_freq,
-                 cache.anchor, cache.table, start, cache.table.stride(0), cache.layer_offsets(1)[0],
-                 cache.capacity, b, layers, dm, inter, stacked.eps, head_dim ** -0.5),
-                dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
-                     M_ATT=_query_rows(t, heads, kv_heads), PAGE=cache.page_size,
-                     BLOCK_KV=block_kv, BLOCK_M=GEMV_ROWS,
-                     BN_QKV=_phase_width(qkv.shape[1], programs), BN_O=_phase_width(dm, programs),
-                     BN_GATE_UP=_phase_width(inter, programs), BN_DOWN=_phase_width(dm, programs),
-                     BK_DM=triton.next_power_of_2(dm), BK_NQ=triton.next_power_of_2(nq),
-                     BK_I=triton.next_power_of_2(inter), IEEE=x.dtype == torch.float32,
-                     num_warps=c["num_warps"], num_stages=1, **_pdl(x)), compile_only)
-
-    scratch = functools.cache(lambda: _timing_cache(cache, layers, b, t, start, _timing_keys(cache)))
-
-    def launch_on_scratch(c, compile_only=False):
-        launch(c, *scratch(), compile_only=compile_only)
-
-    if config is None:
-        key = ("stack_decode", rows, t, layers, dm, x.dtype, cache.capacity, cache.page_size)
-        config = _fastest(key, STACK_DECODE_CONFIGS, launch_on_scratch)
-    launch(config)
-    return h
 
 
 if triton is not None:

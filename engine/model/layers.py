@@ -5,7 +5,6 @@ cos/sin computed in fp32 and cast to the activation dtype, rotate_half pairing (
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +12,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import kernels
-from .kernels import linear, qk_norm_rope, qkv_attention, rms_norm
+from .kernels import decode_attention, linear, qk_norm_rope, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -55,9 +54,9 @@ class SwiGLU(nn.Module):
 
         self.gate_up_weight = None          # set by `fuse` (GPU): [gate; up] as one GEMM
 
-    def fuse(self, out: torch.Tensor | None = None) -> None:
-        """One [2*hidden, dim] weight for gate and up (in `out` if given); the two parameters become views of it."""
-        w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data], out=out)
+    def fuse(self) -> None:
+        """One [2*hidden, dim] weight for gate and up; the two parameters become views of it."""
+        w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
         n = self.gate_proj.weight.shape[0]
         self.gate_proj.weight.data, self.up_proj.weight.data = w[:n], w[n:]
         self.gate_up_weight = w
@@ -142,9 +141,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps)
         self.qkv_weight = None              # set by `fuse` (GPU): [q; k; v] as one GEMM
 
-    def fuse(self, out: torch.Tensor | None = None) -> None:
-        """One QKV weight (in `out` if given; the three parameters become views of it) and fused QK-norm + RoPE."""
-        w = torch.cat([self.q_proj.weight.data, self.k_proj.weight.data, self.v_proj.weight.data], out=out)
+    def fuse(self) -> None:
+        """One QKV weight (the three parameters become views of it) and fused QK-norm + RoPE."""
+        w = torch.cat([self.q_proj.weight.data, self.k_proj.weight.data, self.v_proj.weight.data])
         nq, nk = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
         self.q_proj.weight.data, self.k_proj.weight.data, self.v_proj.weight.data = w[:nq], w[nq:nq + nk], w[nq + nk:]
         self.qkv_weight = w
@@ -177,10 +176,10 @@ class Attention(nn.Module):
     def decode(self, h, norm: RMSNorm, cache, layer: int, start, inv_freq, kmax=None):
         """h + self(norm(h)) for the decode pattern (rows = slots 0..B-1, a few new positions each): the
         norm in the QKV GEMM, the attention core in one kernel (`kernels.decode_attention`, its launch
-        config timed for rows of up to kmax keys) or both in one launch, whichever is faster
-        (`kernels.qkv_attention`), the residual add in the output GEMM. Needs `fuse`."""
-        out = qkv_attention(h, self.qkv_weight, norm.weight, norm.eps, self.heads, self.kv_heads, self.q_norm.weight,
-                            self.k_norm.weight, self.q_norm.eps, inv_freq, cache, layer, start, kmax)
+        config timed for rows of up to kmax keys), the residual add in the output GEMM. Needs `fuse`."""
+        qkv = linear(h, self.qkv_weight, norm.weight, norm.eps)
+        out = decode_attention(qkv, self.heads, self.kv_heads, self.q_norm.weight, self.k_norm.weight,
+                               self.q_norm.eps, inv_freq, cache, layer, start, kmax=kmax)
         return linear(out, self.o_proj.weight, residual=h)
 
 
@@ -208,52 +207,6 @@ class DecoderLayer(nn.Module):
         return linear(act, mlp.down_proj.weight, residual=h)
 
 
-@dataclass
-class StackedLayers:
-    """A stack's decode weights with every layer's in one tensor a kind ([layers, ...]; the layers'
-    parameters are views of them), for the kernel that runs all the layers in one launch
-    (`kernels.stack_decode`), and that kernel's grid-barrier counter."""
-    qkv: torch.Tensor           # [L, (heads + 2 kv_heads) * head_dim, hidden]
-    o: torch.Tensor             # [L, hidden, heads * head_dim]
-    gate_up: torch.Tensor       # [L, 2 * intermediate, hidden]
-    down: torch.Tensor          # [L, hidden, intermediate]
-    input_norm: torch.Tensor    # [L, hidden]
-    post_norm: torch.Tensor     # [L, hidden]
-    q_norm: torch.Tensor        # [L, head_dim]
-    k_norm: torch.Tensor        # [L, head_dim]
-    heads: int
-    kv_heads: int
-    head_dim: int
-    eps: float
-    barrier: torch.Tensor       # int32 [1], 0 between launches
-
-    @classmethod
-    def fuse(cls, layers: nn.ModuleList) -> "StackedLayers":
-        """Fuse each layer's QKV and gate/up weights into the stacked tensors and make every decode
-        weight of the layers a view of its stacked tensor (no second copy)."""
-        attn, mlp = layers[0].self_attn, layers[0].mlp
-        w = attn.q_proj.weight
-        qkv = w.new_empty(len(layers), (attn.heads + 2 * attn.kv_heads) * attn.head_dim, w.shape[1])
-        gate_up = w.new_empty(len(layers), 2 * mlp.gate_proj.weight.shape[0], w.shape[1])
-        for i, layer in enumerate(layers):
-            layer.self_attn.fuse(out=qkv[i])
-            layer.mlp.fuse(out=gate_up[i])
-
-        def stack(params):
-            t = torch.stack([p.data for p in params])
-            for i, p in enumerate(params):
-                p.data = t[i]
-            return t
-        return cls(qkv, stack([l.self_attn.o_proj.weight for l in layers]), gate_up,
-                   stack([l.mlp.down_proj.weight for l in layers]),
-                   stack([l.input_layernorm.weight for l in layers]),
-                   stack([l.post_attention_layernorm.weight for l in layers]),
-                   stack([l.self_attn.q_norm.weight for l in layers]),
-                   stack([l.self_attn.k_norm.weight for l in layers]),
-                   attn.heads, attn.kv_heads, attn.head_dim, layers[0].input_layernorm.eps,
-                   torch.zeros(1, dtype=torch.int32, device=w.device))
-
-
 class DecoderStack(nn.Module):
     """`layers.N` + final `norm` with 1-D RoPE over a KVCache (the talker's and code predictor's `model`).
 
@@ -266,27 +219,22 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta), persistent=False)
         self.fused_decode = False           # set by `fuse` on CUDA: decode forwards take `_decode`
-        self.stacked: StackedLayers | None = None   # set by `fuse`
-        # set by `fuse` on CUDA with QWEN3_TTS_PERSISTENT=1: `_decode` is one kernel up to 2 rows
-        self.persistent_decode = False
+        self.fused_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # by `fuse`: each layer's QKV and gate/up
 
     def fuse(self, enabled: bool = True) -> None:
         """GPU layout: fused QKV and gate/up GEMMs, fused QK-norm + RoPE (same parameters, fewer
-        kernels), every layer's weights of a kind in one tensor (`StackedLayers`), and on CUDA the
-        fused decode path. `enabled=False` goes back to the separate projections (the weights stay
-        shared)."""
-        if enabled and self.stacked is None:
-            self.stacked = StackedLayers.fuse(self.layers)
-        elif enabled:                        # fused before: the stacked weights are there
-            for layer, qkv, gate_up in zip(self.layers, self.stacked.qkv, self.stacked.gate_up):
-                layer.self_attn.qkv_weight, layer.mlp.gate_up_weight = qkv, gate_up
-        else:
+        kernels), and on CUDA the fused decode path. `enabled=False` goes back to the separate
+        projections (the fused weights are kept, the parameters stay views of them)."""
+        if enabled and self.fused_weights is None:
             for layer in self.layers:
-                layer.self_attn.qkv_weight = layer.mlp.gate_up_weight = None
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
+            self.fused_weights = [(l.self_attn.qkv_weight, l.mlp.gate_up_weight) for l in self.layers]
+        for layer, (qkv, gate_up) in zip(self.layers, self.fused_weights or []):
+            layer.self_attn.qkv_weight, layer.mlp.gate_up_weight = (qkv, gate_up) if enabled else (None, None)
         attn = self.layers[0].self_attn
         self.fused_decode = (enabled and kernels.triton is not None and self.norm.weight.is_cuda
                              and kernels.decode_attention_supports(attn.head_dim))
-        self.persistent_decode = self.fused_decode and kernels.PERSISTENT
 
     def forward(self, x, cache, start, slots=None, kmax=None, final_norm: bool = True):
         """x [B,T,D] at positions start[b]..start[b]+T-1 of slot slots[b] (row b when None).
@@ -318,11 +266,8 @@ class DecoderStack(nn.Module):
     def _decode(self, x, cache, start, kmax=None):
         """The layers of `forward` for decode steps (rows = slots 0..B-1, T <= 2): the same math in 5
         kernels a layer at up to 16 rows (10 beyond), the norms, gate and residual adds folded into the
-        GEMMs and the attention core in one kernel; or all of it in one kernel up to 2 rows
-        (`kernels.stack_decode`, where `persistent_decode`). Attention reads each row's live keys:
-        kmax only says what length its launch config is timed for."""
-        if self.persistent_decode and x.shape[0] * x.shape[1] <= kernels.GEMV_ROWS:
-            return kernels.stack_decode(x, self.stacked, self.inv_freq, cache, start)
+        GEMMs and the attention core in one kernel. Attention reads each row's live keys: kmax only
+        says what length its launch config is timed for."""
         for i, layer in enumerate(self.layers):
             x = layer.decode(x, cache, i, start, self.inv_freq, kmax)
         return x
