@@ -119,10 +119,18 @@ def vocoder_channels_last_vs_first(model) -> dict:
 
 
 def scheduler_graphs_vs_eager(model) -> dict:
+    """A greedy scheduler turn with every graph on against the same turn with none: codes equal, PCM
+    within bf16 rounding. The attention's launch configs are timed per kv length (`kernels._timing_keys`)
+    and the graphs' kv buckets are not the eager path's (`engine.graphs` against `runner.kv_bucket`), so
+    the two may pick configs that sum in other orders, and a greedy turn on random weights then drifts
+    (call CB: from frame 12, in every tree back to 7a371ea, with or without split attention). Here
+    every length takes the configs of one, so both launch the same kernels."""
+    from engine.model import kernels
     voice = model.make_voice(np.random.default_rng(0).standard_normal(48000).astype(np.float32) * 0.1, 24000)
     out = {}
+    one_length = mock.patch.object(kernels, "_timing_keys", lambda cache, kmax=None: min(256, cache.capacity))
     for graphs in (True, False):
-        with Scheduler(model, 4, keep_codes=True, cuda_graphs=graphs) as s:
+        with one_length, Scheduler(model, 4, keep_codes=True, cuda_graphs=graphs) as s:
             h = s.submit(SpeechRequest(text="A short check of the graphs against the eager path.", voice=voice,
                                        language="english", sampling=SamplingParams(greedy=True, min_new_tokens=32), max_frames=30))
             chunks, result = h.collect(timeout=300)
