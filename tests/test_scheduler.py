@@ -454,9 +454,11 @@ def test_a_burst_of_chunks_wakes_the_readers_loop_once():
 def test_a_first_window_goes_to_the_device_ahead_of_the_next_step(model, voices):
     """Overlapped, the step in flight that closes a session's first window is read back before the
     next step is launched: the first window's decode comes right after its two frames' steps (time
-    to first audio is not one step longer), and later windows follow the step after them."""
+    to first audio is not one step longer), and later windows follow the step after them. Windows of
+    2 frames throughout: past the first, their size follows how far generation runs ahead of real time
+    (`WindowPolicy`, its own tests), which is the machine's speed here."""
     calls = []
-    with Scheduler(model, 1, overlap=True) as sch:
+    with Scheduler(model, 1, overlap=True, window_frames=(2, 2)) as sch:
         step, decode = sch.runner.step, sch.vocoder.decode
         sch.runner.step = lambda *a: (calls.append("step"), step(*a))[1]
         sch.vocoder.decode = lambda slots, frames: (calls.append(f"window {frames}"), decode(slots, frames))[1]
@@ -464,7 +466,7 @@ def test_a_first_window_goes_to_the_device_ahead_of_the_next_step(model, voices)
     assert result.frames == 12 and [c.pcm.shape[0] // SPF for c in chunks][0] == 2
     assert calls[:3] == ["step", "step", "window 2"]
     # frames 2 and 3 (steps 3 and 4) close the next window, read back while step 5 runs
-    assert calls[3:7] == ["step", "step", "step", "window 2"]
+    assert calls[3:7] == ["step", "step", "step", "window 2"], calls
 
 
 def test_random_traffic_gives_each_session_its_own_audio(model64, voices, overlap):
