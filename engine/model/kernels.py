@@ -22,7 +22,9 @@
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
   plain ops, 16 times a frame, plus ~20 for the seeded noise; `sample_rows` is one, noise and the
   logits' cast to fp32 included, and the talker's logits processor (~10 more) too.
-- Even at 5 kernels a layer a one-row step is ~750 kernels of a few microseconds, each paying a launch
+- The end of a step (each moving row's new hidden state and first code, its counters and status, the
+  frames packed for the host) was ~20 elementwise kernels; `advance_rows` is one.
+- Even at 5 kernels a layer a one-row step is ~550 kernels of a few microseconds, each paying a launch
   gap after the one before. On Hopper and later the decode path's kernels are launched as programmatic
   dependents (`PDL`): the GPU starts each while the one before still runs, and it waits
   (griddepcontrol.wait) before reading or writing anything. A code-predictor step is such a chain
