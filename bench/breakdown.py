@@ -10,8 +10,9 @@ Times (CUDA events, median of `--reps`) on a runner whose B slots hold prompts o
   sample       one talker logits processing + sampling        /
   attention_us one talker layer's attention kernel per launch config (kernels.ATTENTION_CONFIGS), in
                CUDA graphs
-  vocoder_wN   VocoderStreams.decode of N frames for B streams, per frame (eager; _graph: replayed
-               from the CUDA graphs the scheduler uses)
+  vocoder_wN   VocoderStreams.decode of N frames for B streams, per frame (eager, under cuDNN's
+               heuristics; _graph: replayed from CUDA graphs as the scheduler's, at most its default
+               vocoder batch of streams a replay)
 
     python -m bench.breakdown --model-dir /tmp/rand06b --batches 1,64,256
 """
@@ -25,6 +26,7 @@ import torch
 from engine.loader import load_model
 from engine.requests import SamplingParams
 from engine.runner import ModelRunner
+from engine.scheduler import VOCODER_BATCH
 from engine.sampling import sample_subtalker, sample_talker
 from engine.graphs import VocoderGraphs, capture_graph
 from engine.model import kernels
@@ -138,7 +140,7 @@ def breakdown(model, batch: int, prompt: int, reps: int, windows: list[int]) -> 
     out["attention_us"] = attention_configs(model, runner, batch, reps)
     streams = VocoderStreams(model.vocoder, batch)
     idx = torch.arange(batch, device=dev)
-    graphs = VocoderGraphs(streams, windows)
+    graphs = VocoderGraphs(streams, windows, max_batch=VOCODER_BATCH)
     for w in windows:
         codes = torch.randint(0, 2048, (batch, w, 16), device=dev)
         streams.reset(idx)
