@@ -5,7 +5,6 @@ cos/sin computed in fp32 and cast to the activation dtype, rotate_half pairing (
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
