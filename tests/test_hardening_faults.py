@@ -26,6 +26,7 @@ import websockets
 import app.ws
 from app.service import Settings
 from engine.scheduler import RequestHandle
+from engine.streaming import WindowPolicy
 from oom import inject_out_of_memory
 from server_harness import ServerThread, next_event, read_turns
 
@@ -261,6 +262,10 @@ def test_1000_random_disconnects_leave_nothing_behind(server):
 
 def test_out_of_memory_mid_step_fails_no_request(server, monkeypatch):
     model = server.service.model
+    # 2-frame windows throughout, so that each turn makes 4 vocoder calls whatever the machine's speed:
+    # past the first, a window's size follows how far generation runs ahead of real time (on a fast
+    # machine the 4 turns took 2 calls, and the injected call 5 never came)
+    monkeypatch.setattr(server.service.scheduler.vocoder, "policy", WindowPolicy(2, 2))
     alone = [asyncio.run(speak(server, text, frames=8)) for text in TEXTS]
     failing = {"talker": {3, 4, 11}, "predictor": {6, 15}, "vocoder": {2, 5}}
     before = server.service.scheduler.stats().oom_recoveries
