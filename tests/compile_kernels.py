@@ -51,6 +51,18 @@ def main() -> None:
                       dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, PAGE=page, BLOCK_K=block_k, IEEE=dtype == "fp32",
                            PREFETCH=c["PREFETCH"], **(dict(SPLIT=c["SPLIT"]) if split else {})),
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
+        # every config `attention_out` may time and pick for the code predictor (1 and 2 positions), bf16;
+        # the first in fp32
+        for c in k.ATTENTION_OUT_CONFIGS[:None if dtype == "bf16" else 1]:
+            for t in (1, 2):
+                build(k._attention_out_kernel,
+                      dict(qkv_ptr=p, y_ptr=p, r_ptr=p, w_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64",
+                           q_w_ptr=p, k_w_ptr=p, inv_freq_ptr="*fp32", stride_qkv_b="i32", stride_qkv_t="i32",
+                           stride_y_b="i32", stride_y_t="i32", stride_table="i32", k_offset="i32", v_offset="i32",
+                           capacity="i32", N="i32", eps="fp32", scale="fp32"),
+                      dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16 * t, NEW=16, OLD=128, PAGE=16, BLOCK_N=c["BLOCK_N"],
+                           IEEE=dtype == "fp32", PRELOAD_KV=c["PRELOAD_KV"]),
+                      num_warps=c["num_warps"], num_stages=1)
         # the paged cache's reads and writes (prefill), talker shapes
         build(k._kv_write_kernel, dict(k_ptr=p, v_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64",
                                        rows_ptr="*i64", stride_kb="i32", stride_kt="i32", stride_vb="i32",

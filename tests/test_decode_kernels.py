@@ -109,6 +109,46 @@ def test_split_attention_matches_the_one_program_attention(kernels, t):
         assert not kernels._arrival_counters(torch.device("cpu"), f"split attention, {t} positions", b * kv_heads).any()
 
 
+
+@pytest.mark.parametrize("t", [1, 2])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 1)])
+def test_attention_out_matches_attention_then_output_gemm(kernels, t, heads, kv_heads):
+    """The short-cache attention with the output projection and residual add in one kernel gives what
+    `decode_attention` followed by `linear` gives, and writes the same new keys and values: rows with
+    no older key and with most of the cache's, pages of their own; every launch config (the off-GPU
+    one included: one program for all columns) and column blocks that overhang the output."""
+    torch.manual_seed(5)
+    head_dim, cap, b, hidden = 32, 32, 2, 40
+    caches = [KVCache(1, b, cap, kv_heads, head_dim, torch.float32, "cpu", page_size=16, reserve_all=True,
+                      separate_pages=True) for _ in range(2)]
+    earlier = torch.randn(b, cap, kv_heads, head_dim), torch.randn(b, cap, kv_heads, head_dim)
+    for c in caches:
+        c.write(0, *earlier, torch.zeros(b, dtype=torch.long))
+    qkv = torch.randn(b, t, (heads + 2 * kv_heads) * head_dim)
+    start = torch.tensor([0, cap - t])
+    qw, kw = torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5
+    o_weight, residual = torch.randn(hidden, heads * head_dim) * 0.1, torch.randn(b, t, hidden)
+    args = (heads, kv_heads, qw, kw, 1e-6, rope_inv_freq(head_dim, 1e6))
+    assert kernels.attention_out_supports(b, t, heads, kv_heads, head_dim, caches[0])
+    attention = kernels.decode_attention(qkv, *args, caches[0], 0, start, kernels.ATTENTION_CONFIGS[0])
+    expected = kernels.linear(attention, o_weight, residual=residual)
+    for config in [None] + kernels.ATTENTION_OUT_CONFIGS[:2]:
+        got = kernels.attention_out(qkv, *args, caches[1], 0, start, o_weight, residual, config)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=str(config))
+        for a, e in zip(caches[1].read(0, b, cap), caches[0].read(0, b, cap)):
+            torch.testing.assert_close(a, e, atol=1e-6, rtol=0)
+
+
+def test_attention_out_leaves_long_caches_and_many_rows_to_the_two_kernels(kernels):
+    """Only a short cache at a few rows takes the one-kernel path."""
+    short = KVCache(1, 4, 16, 8, 128, torch.float32, "cpu", page_size=16, reserve_all=True)
+    long = KVCache(1, 1, 512, 8, 128, torch.float32, "cpu", page_size=64, reserve_all=True)
+    assert kernels.attention_out_supports(1, 1, 16, 8, 128, short)
+    assert kernels.attention_out_supports(kernels.ATTENTION_OUT_ROWS, 2, 16, 8, 128, short)
+    assert not kernels.attention_out_supports(kernels.ATTENTION_OUT_ROWS + 1, 1, 16, 8, 128, short)
+    assert not kernels.attention_out_supports(1, 3, 16, 8, 128, short)
+    assert not kernels.attention_out_supports(1, 1, 16, 8, 128, long)
+
 @pytest.fixture(scope="module")
 def fused_model(tiny_model_dir, kernels):
     """The model on the fused decode path (the GEMM, attention and sampling kernels)."""
