@@ -51,17 +51,18 @@ def main() -> None:
                       dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16, PAGE=page, BLOCK_K=block_k, IEEE=dtype == "fp32",
                            PREFETCH=c["PREFETCH"], **(dict(SPLIT=c["SPLIT"]) if split else {})),
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
-        # every config `attention_out` may time and pick for the code predictor (1 and 2 positions), bf16;
-        # the first in fp32
-        for c in k.ATTENTION_OUT_CONFIGS[:None if dtype == "bf16" else 1]:
+        # every short-cache config `decode_attention` may time and pick for the code predictor (1 and 2
+        # positions), bf16; the first in fp32
+        for c in k.SHORT_ATTENTION_CONFIGS[:None if dtype == "bf16" else 1]:
             for t in (1, 2):
-                build(k._attention_out_kernel,
-                      dict(qkv_ptr=p, y_ptr=p, r_ptr=p, w_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64",
-                           q_w_ptr=p, k_w_ptr=p, inv_freq_ptr="*fp32", stride_qkv_b="i32", stride_qkv_t="i32",
-                           stride_y_b="i32", stride_y_t="i32", stride_table="i32", k_offset="i32", v_offset="i32",
-                           capacity="i32", N="i32", eps="fp32", scale="fp32"),
-                      dict(T=t, G=2, HQ=16, HKV=8, D=128, M=16 * t, NEW=16, OLD=128, PAGE=16, BLOCK_N=c["BLOCK_N"],
-                           IEEE=dtype == "fp32", PRELOAD_KV=c["PRELOAD_KV"]),
+                build(k._short_attention_kernel,
+                      dict(qkv_ptr=p, out_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64", q_w_ptr=p,
+                           k_w_ptr=p, inv_freq_ptr="*fp32", stride_qkv_b="i32", stride_qkv_t="i32",
+                           stride_out_b="i32", stride_out_t="i32", stride_table="i32", k_offset="i32",
+                           v_offset="i32", capacity="i32", eps="fp32", scale="fp32"),
+                      dict(T=t, G=2, HQ=16, HKV=8, D=128, KVH=c["KVH"], M=max(16, 2 * t * c["KVH"]),
+                           NEW=max(16, t * c["KVH"]), OLD=16 * c["KVH"], PAGE=16, IEEE=dtype == "fp32",
+                           PRELOAD_KV=c["PRELOAD_KV"]),
                       num_warps=c["num_warps"], num_stages=1)
         # the paged cache's reads and writes (prefill), talker shapes
         build(k._kv_write_kernel, dict(k_ptr=p, v_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64",

@@ -111,43 +111,42 @@ def test_split_attention_matches_the_one_program_attention(kernels, t):
 
 
 @pytest.mark.parametrize("t", [1, 2])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 1)])
-def test_attention_out_matches_attention_then_output_gemm(kernels, t, heads, kv_heads):
-    """The short-cache attention with the output projection and residual add in one kernel gives what
-    `decode_attention` followed by `linear` gives, and writes the same new keys and values: rows with
-    no older key and with most of the cache's, pages of their own; every launch config (the off-GPU
-    one included: one program for all columns) and column blocks that overhang the output."""
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (16, 8)])
+def test_short_attention_matches_the_program_per_head(kernels, t, heads, kv_heads):
+    """Over a short cache, every `_short_attention_kernel` config (all of a row's KV heads in one
+    program, or a few) gives what one program per KV head gives, and writes the same new keys and
+    values: rows with no older key and with most of the cache's, over two pages of their own."""
     torch.manual_seed(5)
-    head_dim, cap, b, hidden = 32, 32, 2, 40
+    head_dim, cap, b = 32, 32, 2
     caches = [KVCache(1, b, cap, kv_heads, head_dim, torch.float32, "cpu", page_size=16, reserve_all=True,
                       separate_pages=True) for _ in range(2)]
     earlier = torch.randn(b, cap, kv_heads, head_dim), torch.randn(b, cap, kv_heads, head_dim)
-    for c in caches:
-        c.write(0, *earlier, torch.zeros(b, dtype=torch.long))
     qkv = torch.randn(b, t, (heads + 2 * kv_heads) * head_dim)
     start = torch.tensor([0, cap - t])
     qw, kw = torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5
-    o_weight, residual = torch.randn(hidden, heads * head_dim) * 0.1, torch.randn(b, t, hidden)
     args = (heads, kv_heads, qw, kw, 1e-6, rope_inv_freq(head_dim, 1e6))
-    assert kernels.attention_out_supports(b, t, heads, kv_heads, head_dim, caches[0])
-    attention = kernels.decode_attention(qkv, *args, caches[0], 0, start, kernels.ATTENTION_CONFIGS[0])
-    expected = kernels.linear(attention, o_weight, residual=residual)
-    for config in [None] + kernels.ATTENTION_OUT_CONFIGS[:2]:
-        got = kernels.attention_out(qkv, *args, caches[1], 0, start, o_weight, residual, config)
+    caches[0].write(0, *earlier, torch.zeros(b, dtype=torch.long))
+    expected = kernels.decode_attention(qkv, *args, caches[0], 0, start, kernels.ATTENTION_CONFIGS[0])
+    short = [c for c in kernels.attention_configs(caches[1]) if "KVH" in c]
+    assert {c["KVH"] for c in short} == ({1, 2} if kv_heads == 2 else {1, 2, 4, 8})
+    for config in short:
+        caches[1].write(0, *earlier, torch.zeros(b, dtype=torch.long))
+        got = kernels.decode_attention(qkv, *args, caches[1], 0, start, config)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=str(config))
         for a, e in zip(caches[1].read(0, b, cap), caches[0].read(0, b, cap)):
             torch.testing.assert_close(a, e, atol=1e-6, rtol=0)
 
 
-def test_attention_out_leaves_long_caches_and_many_rows_to_the_two_kernels(kernels):
-    """Only a short cache at a few rows takes the one-kernel path."""
-    short = KVCache(1, 4, 16, 8, 128, torch.float32, "cpu", page_size=16, reserve_all=True)
-    long = KVCache(1, 1, 512, 8, 128, torch.float32, "cpu", page_size=64, reserve_all=True)
-    assert kernels.attention_out_supports(1, 1, 16, 8, 128, short)
-    assert kernels.attention_out_supports(kernels.ATTENTION_OUT_ROWS, 2, 16, 8, 128, short)
-    assert not kernels.attention_out_supports(kernels.ATTENTION_OUT_ROWS + 1, 1, 16, 8, 128, short)
-    assert not kernels.attention_out_supports(1, 3, 16, 8, 128, short)
-    assert not kernels.attention_out_supports(1, 1, 16, 8, 128, long)
+def test_short_attention_is_offered_for_short_caches_only(kernels, monkeypatch):
+    """The code predictor's cache (16 positions, 8 KV heads) gets the short kernel's configs, each
+    within the key tile's limit; the talker's does not, nor does any with QWEN3_TTS_SHORT_ATTENTION=0."""
+    predictor = KVCache(1, 4, 16, 8, 128, torch.float32, "cpu", page_size=16, reserve_all=True)
+    talker = KVCache(1, 1, 512, 8, 128, torch.float32, "cpu", page_size=64, reserve_all=True)
+    short = [c for c in kernels.attention_configs(predictor) if "KVH" in c]
+    assert short == kernels.SHORT_ATTENTION_CONFIGS
+    assert kernels.attention_configs(talker) == kernels.ATTENTION_CONFIGS
+    monkeypatch.setattr(kernels, "SHORT_ATTENTION", False)
+    assert kernels.attention_configs(predictor) == kernels.ATTENTION_CONFIGS
 
 @pytest.fixture(scope="module")
 def fused_model(tiny_model_dir, kernels):
@@ -168,6 +167,21 @@ def test_fused_decode_reproduces_golden_codes(fused_model, golden_cases, golden_
         n = res.codes.shape[0]
         np.testing.assert_array_equal(res.codes, z[f"codes_{i}"][:n])
         assert n == min(8, z[f"codes_{i}"].shape[0])
+
+
+def test_fused_decode_reproduces_golden_codes_through_the_short_attention(fused_model, golden_cases, golden_npz,
+                                                                         kernels, monkeypatch):
+    """The same with the code predictor's attention in `_short_attention_kernel` (the GPU's timing may
+    pick it; off the GPU the first config, one program a KV head, runs)."""
+    fastest = kernels._fastest
+
+    def short_first(key, configs, *args, **kwargs):
+        return next((c for c in configs if "KVH" in c), None) or fastest(key, configs, *args, **kwargs)
+    monkeypatch.setattr(kernels, "_fastest", short_first)
+    z = golden_npz("batch3_icl")
+    results = synthesize(fused_model, golden_requests(fused_model, golden_cases["batch3_icl"], z, max_frames=8))
+    for i, res in enumerate(results):
+        np.testing.assert_array_equal(res.codes, z[f"codes_{i}"][:res.codes.shape[0]])
 
 
 def test_fused_decode_samples_the_same_frames(tiny_model_dir, fused_model):

@@ -833,12 +833,29 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, conf
 
 if triton is not None:
     @triton.jit
-    def _rope(x1, x2, pos, inv_freq, dtype: tl.constexpr):
-        """Rotate-half RoPE of fp32 halves at fp32 positions; cos/sin rounded to `dtype` as the
-        reference computes them (fp32, then cast to the activation dtype)."""
+    def _cos_sin(pos, inv_freq, dtype: tl.constexpr):
+        """RoPE's cos and sin at fp32 positions, rounded to `dtype` as the reference computes them
+        (fp32, then cast to the activation dtype), as fp32."""
         f = pos * inv_freq
-        c = tl.cos(f).to(dtype).to(tl.float32)
-        s = tl.sin(f).to(dtype).to(tl.float32)
+        return tl.cos(f).to(dtype).to(tl.float32), tl.sin(f).to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _rope(x1, x2, pos, inv_freq, dtype: tl.constexpr):
+        """Rotate-half RoPE of fp32 halves at fp32 positions."""
+        c, s = _cos_sin(pos, inv_freq, dtype)
+        return x1 * c - x2 * s, x2 * c + x1 * s
+
+    @triton.jit
+    def _rope_rows(x1, x2, t_rows, start, inv_freq, T: tl.constexpr, dtype: tl.constexpr):
+        """`_rope` of rows [R, D/2] at positions start + t_rows (t_rows < T): cos and sin computed once
+        a position ([D/2] each, T of them) and picked for each row, not once an element."""
+        c = tl.zeros_like(x1)
+        s = tl.zeros_like(x1)
+        for t in tl.static_range(T):
+            c_t, s_t = _cos_sin((start + t).to(tl.float32), inv_freq, dtype)
+            at = (t_rows == t)[:, None]
+            c = tl.where(at, c_t[None, :], c)
+            s = tl.where(at, s_t[None, :], s)
         return x1 * c - x2 * s, x2 * c + x1 * s
 
     @triton.jit
@@ -881,7 +898,7 @@ if triton is not None:
         inv = tl.rsqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / D + eps)
         q1 = q1 * inv[:, None] * tl.load(q_w_ptr + i).to(tl.float32)[None, :]
         q2 = q2 * inv[:, None] * tl.load(q_w_ptr + HALF + i).to(tl.float32)[None, :]
-        q1, q2 = _rope(q1, q2, (start + t_r).to(tl.float32)[:, None], inv_freq[None, :], dtype)
+        q1, q2 = _rope_rows(q1, q2, t_r, start, inv_freq, T, dtype)
         return q1.to(dtype), q2.to(dtype)
 
     @triton.jit
@@ -1072,42 +1089,35 @@ if triton is not None:
 
 
     @triton.jit
-    def _attention_out_kernel(
-            qkv_ptr, y_ptr, r_ptr, w_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr, k_w_ptr, inv_freq_ptr,
-            stride_qkv_b, stride_qkv_t, stride_y_b, stride_y_t, stride_table, k_offset, v_offset, capacity, N, eps,
-            scale, T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-            M: tl.constexpr, NEW: tl.constexpr, OLD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _short_attention_kernel(
+            qkv_ptr, out_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr, k_w_ptr, inv_freq_ptr,
+            stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, stride_table, k_offset, v_offset,
+            capacity, eps, scale,
+            T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+            KVH: tl.constexpr, M: tl.constexpr, NEW: tl.constexpr, OLD: tl.constexpr, PAGE: tl.constexpr,
             IEEE: tl.constexpr, PDL: tl.constexpr, PRELOAD_KV: tl.constexpr):
-        """y = r + o_proj(attention) for the BLOCK_N output columns of program_id(0), row program_id(1),
-        over a short cache (OLD / HKV positions at most): every program computes the row's whole
-        attention, all heads at once, from <= OLD older keys and its T new ones, then its columns of
-        the output projection. Rows of the query tile are (position, head); the key tiles' rows are
-        (position, KV head), so one tile holds every head's keys and a mask keeps each query to its KV
-        head. The new keys (normed, rotated) enter the softmax from registers; the first program of a
-        row also writes them and the new values to the cache. Before the wait: the block's weights
-        (every head's columns of them, [BLOCK_N * HQ, D]) and, with PRELOAD_KV, the older keys and values
-        (written two or more kernels back, so complete: see the module docstring)."""
+        """`_attention_group` of row program_id(0) for KVH KV heads at once (program_id(1) says which)
+        over a short cache (OLD / KVH positions at most: the code predictor's 16): one tile of queries,
+        a row per (position, head), against one tile of older keys, a row per (position, KV head), and
+        one of the T new keys, taken from registers (the program writes them to the cache too); a mask
+        keeps each query to its KV head and its causal past. A few dependent loads for all of a row's
+        heads, where a program a KV head pays them for each. With PRELOAD_KV the older keys and values
+        (written two or more kernels back, so complete: see the module docstring) load before the wait."""
         HALF: tl.constexpr = D // 2
+        GK: tl.constexpr = G * KVH                   # query heads of the program
         dtype = anchor_ptr.dtype.element_ty
-        col0 = tl.program_id(0) * BLOCK_N
-        b = tl.program_id(1)
+        b = tl.program_id(0)
+        kv0 = tl.program_id(1) * KVH
         qkv = qkv_ptr + b * stride_qkv_b
         pages = table_ptr + b * stride_table
         i = tl.arange(0, HALF)
         d = tl.arange(0, D)
-        # the block's weight columns, a row per (output column n, head h): w[col0 + n, h * D + d]
-        wr = tl.arange(0, BLOCK_N * HQ)
-        w_col = col0 + wr // HQ
-        w = tl.load(w_ptr + w_col[:, None] * (HQ * D) + (wr % HQ)[:, None] * D + d[None, :],
-                    mask=(w_col < N)[:, None], other=0.0)
         start = tl.load(start_ptr + b)
-        # older keys and values, a row per (position j, KV head): positions below start
         c_old = tl.arange(0, OLD)
-        j_old = c_old // HKV
-        h_old = c_old % HKV
+        j_old = c_old // KVH
         old_valid = j_old < tl.minimum(start, capacity)
         old_at = (anchor_ptr + tl.load(pages + j_old // PAGE, mask=old_valid, other=0)
-                  + (j_old % PAGE) * (HKV * D) + h_old * D)[:, None]
+                  + (j_old % PAGE) * (HKV * D) + (kv0 + c_old % KVH) * D)[:, None]
         if PRELOAD_KV:
             k1_old = tl.load(old_at + k_offset + i[None, :], mask=old_valid[:, None], other=0.0)
             k2_old = tl.load(old_at + k_offset + HALF + i[None, :], mask=old_valid[:, None], other=0.0)
@@ -1118,43 +1128,42 @@ if triton is not None:
             k2_old = tl.load(old_at + k_offset + HALF + i[None, :], mask=old_valid[:, None], other=0.0)
             v_old = tl.load(old_at + v_offset + d[None, :], mask=old_valid[:, None], other=0.0)
         inv_freq = tl.load(inv_freq_ptr + i)
-        # queries: a row per (position t, head)
+        # queries, a row per (position t, query head of the program), normed and rotated
         r = tl.arange(0, M)
-        t_q = r // HQ
-        head = r % HQ
-        q_valid = r < T * HQ
+        t_q = r // GK
+        head = kv0 * G + r % GK
+        q_valid = r < T * GK
         q_at = qkv + t_q[:, None] * stride_qkv_t + head[:, None] * D + i[None, :]
         q1 = tl.load(q_at, mask=q_valid[:, None], other=0.0).to(tl.float32)
         q2 = tl.load(q_at + HALF, mask=q_valid[:, None], other=0.0).to(tl.float32)
         inv = tl.rsqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / D + eps)
         q1 = q1 * inv[:, None] * tl.load(q_w_ptr + i).to(tl.float32)[None, :]
         q2 = q2 * inv[:, None] * tl.load(q_w_ptr + HALF + i).to(tl.float32)[None, :]
-        q1, q2 = _rope(q1, q2, (start + t_q).to(tl.float32)[:, None], inv_freq[None, :], dtype)
+        q1, q2 = _rope_rows(q1, q2, t_q, start, inv_freq, T, dtype)
         q1, q2 = q1.to(dtype), q2.to(dtype)
-        # the T new keys and values, a row per (position t, KV head)
+        # the T new keys (normed, rotated) and values, a row per (position t, KV head), to the cache
         c_new = tl.arange(0, NEW)
-        t_new = c_new // HKV
-        h_new = c_new % HKV
-        new_valid = c_new < T * HKV
+        t_new = c_new // KVH
+        h_new = kv0 + c_new % KVH
+        new_valid = c_new < T * KVH
         k_at = qkv + t_new[:, None] * stride_qkv_t + (HQ + h_new)[:, None] * D + i[None, :]
         k1 = tl.load(k_at, mask=new_valid[:, None], other=0.0).to(tl.float32)
         k2 = tl.load(k_at + HALF, mask=new_valid[:, None], other=0.0).to(tl.float32)
         inv = tl.rsqrt((tl.sum(k1 * k1, 1) + tl.sum(k2 * k2, 1)) / D + eps)
         k1 = k1 * inv[:, None] * tl.load(k_w_ptr + i).to(tl.float32)[None, :]
         k2 = k2 * inv[:, None] * tl.load(k_w_ptr + HALF + i).to(tl.float32)[None, :]
-        k1, k2 = _rope(k1, k2, (start + t_new).to(tl.float32)[:, None], inv_freq[None, :], dtype)
+        k1, k2 = _rope_rows(k1, k2, t_new, start, inv_freq, T, dtype)
         k1, k2 = k1.to(dtype), k2.to(dtype)
         v_new = tl.load(qkv + t_new[:, None] * stride_qkv_t + (HQ + HKV + h_new)[:, None] * D + d[None, :],
                         mask=new_valid[:, None], other=0.0)
-        if tl.program_id(0) == 0:
-            pos = tl.minimum(start + t_new, capacity)
-            new_at = (anchor_ptr + tl.load(pages + pos // PAGE, mask=new_valid, other=0)
-                      + (pos % PAGE) * (HKV * D) + h_new * D)[:, None]
-            tl.store(new_at + k_offset + i[None, :], k1, mask=new_valid[:, None])
-            tl.store(new_at + k_offset + HALF + i[None, :], k2, mask=new_valid[:, None])
-            tl.store(new_at + v_offset + d[None, :], v_new, mask=new_valid[:, None])
-        # softmax over the older keys and the new ones (those at or before the query's position)
-        kv_head = head // G
+        pos = tl.minimum(start + t_new, capacity)
+        new_at = (anchor_ptr + tl.load(pages + pos // PAGE, mask=new_valid, other=0)
+                  + (pos % PAGE) * (HKV * D) + h_new * D)[:, None]
+        tl.store(new_at + k_offset + i[None, :], k1, mask=new_valid[:, None])
+        tl.store(new_at + k_offset + HALF + i[None, :], k2, mask=new_valid[:, None])
+        tl.store(new_at + v_offset + d[None, :], v_new, mask=new_valid[:, None])
+        # softmax over the older keys and the new ones at or before the query's position
+        kv_q = (r % GK) // G
         if IEEE:
             s_old = (tl.dot(q1, tl.trans(k1_old), input_precision="ieee")
                      + tl.dot(q2, tl.trans(k2_old), input_precision="ieee"))
@@ -1162,9 +1171,9 @@ if triton is not None:
         else:
             s_old = tl.dot(q1, tl.trans(k1_old)) + tl.dot(q2, tl.trans(k2_old))
             s_new = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
-        s_old = tl.where((h_old[None, :] == kv_head[:, None]) & old_valid[None, :], s_old * scale, float("-inf"))
-        s_new = tl.where((h_new[None, :] == kv_head[:, None]) & (t_new[None, :] <= t_q[:, None]) & new_valid[None, :],
-                         s_new * scale, float("-inf"))
+        s_old = tl.where(((c_old % KVH)[None, :] == kv_q[:, None]) & old_valid[None, :], s_old * scale, float("-inf"))
+        s_new = tl.where(((c_new % KVH)[None, :] == kv_q[:, None]) & (t_new[None, :] <= t_q[:, None])
+                         & new_valid[None, :], s_new * scale, float("-inf"))
         m = tl.maximum(tl.max(s_old, 1), tl.max(s_new, 1))
         m = tl.where(q_valid, m, 0.0)                        # padding rows: no key at all
         p_old = tl.exp(s_old - m[:, None])
@@ -1175,23 +1184,9 @@ if triton is not None:
                  + tl.dot(p_new.to(dtype), v_new, input_precision="ieee"))
         else:
             o = tl.dot(p_old.to(dtype), v_old) + tl.dot(p_new.to(dtype), v_new)
-        o = tl.where(q_valid[:, None], o / tl.maximum(l, 1e-30)[:, None], 0.0).to(dtype)
-        # the output projection: z[(t, head), (n, h)] = o[(t, head)] . w[(n, h)], kept where h == head,
-        # summed over the heads of each position
-        if IEEE:
-            z = tl.dot(o, tl.trans(w), input_precision="ieee")
-        else:
-            z = tl.dot(o, tl.trans(w))
-        z = tl.reshape(z, [M, BLOCK_N, HQ])
-        z = tl.sum(tl.where(tl.arange(0, HQ)[None, None, :] == head[:, None, None], z, 0.0), 2)     # [M, BLOCK_N]
-        TP: tl.constexpr = 2 if T > 1 else 1
-        tt = tl.arange(0, TP)
-        y = tl.sum(tl.where((t_q[None, :, None] == tt[:, None, None]) & q_valid[None, :, None], z[None, :, :], 0.0), 1)
-        cols = col0 + tl.arange(0, BLOCK_N)
-        mask = (tt[:, None] < T) & (cols[None, :] < N)
-        res = tl.load(r_ptr + b * stride_y_b + tt[:, None] * stride_y_t + cols[None, :], mask=mask, other=0.0)
-        y = (y.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
-        tl.store(y_ptr + b * stride_y_b + tt[:, None] * stride_y_t + cols[None, :], y, mask=mask)
+        o = o / tl.maximum(l, 1e-30)[:, None]
+        tl.store(out_ptr + b * stride_out_b + t_q[:, None] * stride_out_t + head[:, None] * D + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])
 
 
 def decode_attention_supports(head_dim: int) -> bool:
@@ -1208,6 +1203,14 @@ ATTENTION_CONFIGS = [dict(BLOCK_K=k, num_warps=w, num_stages=st, PREFETCH=p, SPL
                                       (128, 8, 3), (128, 8, 2))]
 ATTENTION_CONFIGS += [dict(BLOCK_K=k, num_warps=4, num_stages=3, PREFETCH=True, SPLIT=split)
                       for split in (2, 4) for k in (64, 32)]
+# ... and over a short cache (the code predictor's 16 positions), `_short_attention_kernel`'s: KV heads a
+# program, launch options, whether the older keys and values load before the wait; those whose key tile
+# (positions x KV heads) holds at most SHORT_ATTENTION_MAX_KEYS rows. QWEN3_TTS_SHORT_ATTENTION=0: none.
+SHORT_ATTENTION = os.environ.get("QWEN3_TTS_SHORT_ATTENTION", "1") != "0"
+SHORT_ATTENTION_CONFIGS = [dict(KVH=h, num_warps=w, PRELOAD_KV=p) for h, w, p in
+                           ((8, 8, True), (8, 8, False), (4, 8, True), (4, 4, True), (4, 4, False), (2, 4, True),
+                            (2, 4, False), (1, 4, True), (1, 2, True))]
+SHORT_ATTENTION_MAX_KEYS = 256
 ATTENTION_TIMING_KEYS = 256      # live keys per row on the scratch cache the configs are timed on, unless told
 ATTENTION_TIMING_MIN_KEYS = 128  # ... and at least (the eager decode's smallest kv bucket)
 # ... and at most: the decode graphs have one kv bucket, the capacity (8,448 positions by default), and
@@ -1220,6 +1223,14 @@ def _query_rows(t: int, heads: int, kv_heads: int) -> int:
     """Rows of an attention program's query tile: a KV head's query heads at each of t positions,
     padded to a power of two of at least 16 (a tensor-core tile)."""
     return max(16, triton.next_power_of_2(t * heads // kv_heads))
+
+
+def attention_configs(cache) -> list[dict]:
+    """The configs `decode_attention` times for a cache: ATTENTION_CONFIGS, and over a short one the
+    SHORT_ATTENTION_CONFIGS whose KV heads divide the cache's and whose key tile fits."""
+    short = [c for c in SHORT_ATTENTION_CONFIGS if SHORT_ATTENTION and cache.kv_heads % c["KVH"] == 0
+             and triton.next_power_of_2(cache.capacity) * c["KVH"] <= SHORT_ATTENTION_MAX_KEYS]
+    return ATTENTION_CONFIGS + short
 
 
 def _key_block(cache, most: int) -> int:
@@ -1239,7 +1250,7 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     rotated (RoPE from the positions and inv_freq, fp32), the new K/V are written to the cache, and
     each query attends causally over keys 0 .. its own position. Reads exactly the row's live keys:
     no mask, no kv bucket.
-    config: one of ATTENTION_CONFIGS; by default the fastest for these shapes, timed once on the GPU on
+    config: one of `attention_configs(cache)`; by default the fastest for these shapes, timed once on the GPU on
     a scratch cache of `kmax` keys a row (the most a row holds in this call: an eager decode's kv
     bucket, within ATTENTION_TIMING_MIN_KEYS .. ATTENTION_TIMING_MAX_KEYS; ATTENTION_TIMING_KEYS when
     not told; the live lengths at warm-up say nothing of the load, and timing must not write into live
@@ -1257,11 +1268,21 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     m = _query_rows(t, heads, kv_heads)
 
     def launch(c, cache=cache, layer=layer, start=start, out=out, compile_only=False):
-        block = _key_block(cache, c["BLOCK_K"])
         k_offset, v_offset = cache.layer_offsets(layer)
         args = (qkv, out, cache.anchor, cache.table, start, q_norm_weight, k_norm_weight, inv_freq,
                 qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), cache.table.stride(0),
                 k_offset, v_offset, cache.capacity, eps, head_dim ** -0.5)
+        if "KVH" in c:
+            kvh = c["KVH"]
+            options = dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim, KVH=kvh,
+                           M=max(16, triton.next_power_of_2(t * heads // kv_heads * kvh)),
+                           NEW=max(16, triton.next_power_of_2(t * kvh)),
+                           OLD=max(16, triton.next_power_of_2(cache.capacity) * kvh), PAGE=cache.page_size,
+                           IEEE=qkv.dtype == torch.float32, PRELOAD_KV=c["PRELOAD_KV"], num_warps=c["num_warps"],
+                           num_stages=1, **_pdl(qkv))
+            _launch(_short_attention_kernel, (b, kv_heads // kvh), args, options, compile_only)
+            return
+        block = _key_block(cache, c["BLOCK_K"])
         options = dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim, M=m, PAGE=cache.page_size,
                        BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"],
                        num_stages=c["num_stages"], **_pdl(qkv, prefetch=c["PREFETCH"]))
@@ -1292,74 +1313,9 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
 
     if config is None:
         key = attention_timing_key(b, t, heads, kv_heads, qkv.dtype, cache, kmax)
-        config = _fastest(key, ATTENTION_CONFIGS, launch_on_scratch, scratch_layers)
+        config = _fastest(key, attention_configs(cache), launch_on_scratch, scratch_layers)
     launch(config)
     return out
-
-
-# Up to this many rows a short cache's attention (the code predictor's: <= 16 positions) and the output
-# projection after it are one kernel (`attention_out`); QWEN3_TTS_ATTENTION_OUT_ROWS=0: never.
-ATTENTION_OUT_ROWS = int(os.environ.get("QWEN3_TTS_ATTENTION_OUT_ROWS", "2"))
-ATTENTION_OUT_MAX_KEYS = 256     # ... and up to this many (position, KV head) pairs a row's cache holds
-# The configs `attention_out` times: output columns a program, and whether it loads the older keys and
-# values into registers before its wait (8 warps: they and the weights take ~100 registers a thread)
-ATTENTION_OUT_CONFIGS = [dict(BLOCK_N=n, num_warps=w, PRELOAD_KV=p) for n, w, p in
-                         ((8, 4, False), (8, 8, False), (8, 8, True), (4, 4, False), (4, 8, True),
-                          (16, 8, False), (16, 8, True), (32, 8, False))]
-
-
-def attention_out_supports(rows: int, t: int, heads: int, kv_heads: int, head_dim: int, cache) -> bool:
-    """Whether `attention_out` takes this call: a few rows (ATTENTION_OUT_ROWS) of one or two positions
-    over a short cache, head counts powers of two."""
-    if triton is None or rows > ATTENTION_OUT_ROWS or t > 2 or not decode_attention_supports(head_dim):
-        return False
-    if heads & (heads - 1) or kv_heads & (kv_heads - 1) or cache.page_size & (cache.page_size - 1):
-        return False
-    return triton.next_power_of_2(cache.capacity) * kv_heads <= ATTENTION_OUT_MAX_KEYS
-
-
-def attention_out(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
-                  k_norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, cache, layer: int,
-                  start: torch.Tensor, o_weight: torch.Tensor, residual: torch.Tensor,
-                  config: dict | None = None) -> torch.Tensor:
-    """residual + `decode_attention`(qkv, ...) @ o_weight.T in one kernel -> [B, T, hidden], where
-    `attention_out_supports` says so: one link fewer in a decode step's chain of dependent kernels.
-    Every program recomputes its row's attention (a short cache: a few KB of keys) and then its columns
-    of the output projection. The cache gets the same new keys and values as `decode_attention` writes.
-    config: one of ATTENTION_OUT_CONFIGS; by default the fastest, timed once on the GPU (the kernel is
-    idempotent: timing runs write what the call writes)."""
-    b, t, width = qkv.shape
-    head_dim, n = cache.head_dim, o_weight.shape[0]
-    if width != (heads + 2 * kv_heads) * head_dim or not attention_out_supports(b, t, heads, kv_heads, head_dim, cache):
-        raise ValueError(f"attention_out: unsupported shapes qkv {tuple(qkv.shape)}, {heads} heads, "
-                         f"cache of {cache.capacity} x {cache.kv_heads} x {head_dim}")
-    qkv, residual = qkv.contiguous(), residual.contiguous()
-    y = torch.empty(b, t, n, dtype=qkv.dtype, device=qkv.device)
-    k_offset, v_offset = cache.layer_offsets(layer)
-    sizes = dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim, M=max(16, triton.next_power_of_2(t * heads)),
-                 NEW=max(16, triton.next_power_of_2(t * kv_heads)),
-                 OLD=max(16, triton.next_power_of_2(cache.capacity) * kv_heads), PAGE=cache.page_size,
-                 IEEE=qkv.dtype == torch.float32)
-
-    def launch(c, compile_only=False, weight=o_weight):
-        block = max(c["BLOCK_N"], triton.cdiv(16, heads))         # the projection's tile: >= 16 (column, head) rows
-        _launch(_attention_out_kernel, (triton.cdiv(n, block), b),
-                (qkv, y, residual, weight, cache.anchor, cache.table, start, q_norm_weight, k_norm_weight, inv_freq,
-                 qkv.stride(0), qkv.stride(1), y.stride(0), y.stride(1), cache.table.stride(0), k_offset, v_offset,
-                 cache.capacity, n, eps, head_dim ** -0.5),
-                dict(sizes, BLOCK_N=block, PRELOAD_KV=c["PRELOAD_KV"], num_warps=c["num_warps"], num_stages=1,
-                     **_pdl(qkv)), compile_only)
-
-    def copies():       # the weights a decode step streams, one layer after another
-        count = copies_beyond_l2(o_weight.numel() * o_weight.element_size(), o_weight.device)
-        return [launch] + [functools.partial(launch, weight=o_weight.clone()) for _ in range(count - 1)]
-
-    if config is None:
-        key = ("attention_out", b, t, heads, kv_heads, head_dim, n, qkv.dtype, cache.capacity, cache.page_size)
-        config = _fastest(key, ATTENTION_OUT_CONFIGS, launch, copies,
-                          off_gpu=dict(BLOCK_N=triton.next_power_of_2(n), num_warps=4, PRELOAD_KV=False))
-    launch(config)
-    return y
 
 
 def attention_timing_key(rows: int, t: int, heads: int, kv_heads: int, dtype: torch.dtype, cache,

@@ -175,15 +175,11 @@ class Attention(nn.Module):
     def decode(self, h, norm: RMSNorm, cache, layer: int, start, inv_freq, kmax=None):
         """h + self(norm(h)) for the decode pattern (rows = slots 0..B-1, a few new positions each): the
         norm in the QKV GEMM, the attention core in one kernel (`kernels.decode_attention`, its launch
-        config timed for rows of up to kmax keys), the residual add in the output GEMM; over a short
-        cache at a few rows (the code predictor's) the attention and the output GEMM are one kernel
-        (`kernels.attention_out`). Needs `fuse`."""
+        config timed for rows of up to kmax keys), the residual add in the output GEMM. Needs `fuse`."""
         qkv = linear(h, self.qkv_weight, norm.weight, norm.eps)
-        args = (qkv, self.heads, self.kv_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, inv_freq,
-                cache, layer, start)
-        if kernels.attention_out_supports(h.shape[0], h.shape[1], self.heads, self.kv_heads, self.head_dim, cache):
-            return kernels.attention_out(*args, self.o_proj.weight, h)
-        return linear(decode_attention(*args, kmax=kmax), self.o_proj.weight, residual=h)
+        out = decode_attention(qkv, self.heads, self.kv_heads, self.q_norm.weight, self.k_norm.weight,
+                               self.q_norm.eps, inv_freq, cache, layer, start, kmax=kmax)
+        return linear(out, self.o_proj.weight, residual=h)
 
 
 class DecoderLayer(nn.Module):
