@@ -137,7 +137,7 @@ def main() -> None:
                                               V="i32", stride_logits="i32", stride_seen="i32", eos="i32",
                                               suppress_from="i32", D="i32", stride_embed="i32"),
                   dict(BLOCK=block, RADIX_BITS=config["RADIX_BITS"], PROCESS=process, EMBED=embed,
-                       BLOCK_D=1024 if embed else 1), num_warps=config["num_warps"])
+                       BLOCK_D=1024 if embed else 1, BITS=16 if logits == "*bf16" else 32), num_warps=config["num_warps"])
     for p in ("*bf16", "*fp32"):     # the end of a decode step: the talker's hidden state in the model's dtype
         build(k._advance_rows_kernel, dict(act_ptr="*i1", new_c0_ptr="*i64", hidden_ptr=p, frames_ptr="*i64",
                                            alive_ptr="*i1", h_ptr=p, c0_ptr="*i64", seen_ptr="*i1", generated_ptr="*i64",

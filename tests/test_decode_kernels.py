@@ -317,6 +317,23 @@ def test_sample_rows_takes_bf16_logits(kernels):
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
+def test_sample_rows_top_k_threshold_at_high_temperature(kernels):
+    """The top-k threshold, found on the logits before the temperature divides them (16 bits of a bf16
+    logit, 32 of an fp32 one), keeps exactly the plain warp's tokens: at high temperatures a token it
+    let through by mistake would often win. Ties at the threshold included (bf16 logits repeat)."""
+    from engine.sampling import sample
+    g = torch.Generator().manual_seed(9)
+    b, v = 64, 2048
+    temperature = torch.rand(b, generator=g) * 8 + 0.5
+    top_k = torch.tensor([1, 2, 3, 5, 17, 50, 400, 0] * 8)
+    greedy, no_top_p = torch.zeros(b, dtype=torch.bool), torch.ones(b, dtype=torch.float64)
+    seed, frame = torch.arange(b) + 3, torch.arange(b) % 5
+    for logits in ((torch.randn(b, v, generator=g) * 2).bfloat16(), torch.randn(b, v, generator=g) * 2):
+        got = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, 3)
+        expected = sample(logits, greedy, temperature, top_k, no_top_p, seed, frame, 3, top_p_any=False)
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
 def test_sample_rows_draws_follow_the_plain_hash(kernels):
     """The kernel's in-kernel Gumbel noise follows `gumbel_noise`: with all-zero logits and no top-k a
     row's pick is the argmax of its noise alone, the same over many seeds, frames and codebooks."""

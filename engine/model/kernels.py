@@ -1400,9 +1400,10 @@ def kv_read(cache, layer: int, rows: torch.Tensor, kmax: int) -> tuple[torch.Ten
 
 if triton is not None:
     @triton.jit
-    def _kth_largest(x, k, RADIX_BITS: tl.constexpr):
+    def _kth_largest(x, k, RADIX_BITS: tl.constexpr, BITS: tl.constexpr):
         """The k-th largest of the fp32 block x (k >= 1), found exactly without sorting: x's bits as
-        order-preserving integers in [0, 2^32), fixed RADIX_BITS bits at a time from the top. Each
+        order-preserving integers in [0, 2^32), fixed RADIX_BITS bits at a time from the top, down to the
+        top BITS bits (16 where x holds bf16 values: their fp32 bits below are zero). Each
         round is one histogram of the next digit below the prefix found so far (elements outside the
         prefix's range clamped to the end bins, which leaves the count at or above every digit but the
         lowest exact, and that one is always taken) and keeps the largest digit with at least k
@@ -1412,7 +1413,7 @@ if triton is not None:
         bits = x.to(tl.int32, bitcast=True)
         key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
         ans = k.to(tl.int64) * 0
-        for j in tl.static_range(32 // RADIX_BITS):
+        for j in tl.static_range(BITS // RADIX_BITS):
             shift = 32 - RADIX_BITS * (j + 1)
             digit = tl.minimum(tl.maximum((key - ans) >> shift, 0), RADIX - 1).to(tl.int32)
             hist = tl.histogram(digit, RADIX)
@@ -1443,7 +1444,11 @@ if triton is not None:
                             seen_ptr, penalty_ptr, min_new_ptr, table_ptr, embed_ptr, codebook, V, stride_logits,
                             stride_seen, eos, suppress_from, D, stride_embed, BLOCK: tl.constexpr,
                             RADIX_BITS: tl.constexpr, PROCESS: tl.constexpr, EMBED: tl.constexpr,
-                            BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_D: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
+        """`sample_rows` of row program_id(0). The top-k threshold is found on the logits before the
+        temperature divides them (division by a positive temperature keeps their order, so the k-th
+        largest quotient is the quotient of the k-th largest): on bf16 logits, from their 16 bits
+        instead of the quotients' 32."""
         _dependent_launch_start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -1458,10 +1463,12 @@ if triton is not None:
         if tl.load(greedy_ptr + row) != 0:
             pick = tl.argmax(logits, 0)
         else:
-            warped = tl.div_rn(logits, tl.load(temperature_ptr + row))     # IEEE division, as torch
+            temperature = tl.load(temperature_ptr + row)
+            warped = tl.div_rn(logits, temperature)     # IEEE division, as torch
             k = tl.load(top_k_ptr + row)
             k = tl.where(k > 0, tl.minimum(k, V), V).to(tl.int32)
-            warped = tl.where(warped < _kth_largest(warped, k, RADIX_BITS), float("-inf"), warped)
+            threshold = tl.div_rn(_kth_largest(logits, k, RADIX_BITS, BITS), temperature)
+            warped = tl.where(warped < threshold, float("-inf"), warped)
             noise = _gumbel_noise(tl.load(seed_ptr + row), tl.load(frame_ptr + row), codebook, cols)
             pick = tl.argmax(warped.to(tl.float64) + noise, 0)
         tl.store(out_ptr + row, pick.to(tl.int64))
@@ -1513,6 +1520,7 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.T
                  rows.stride(0)),
                 dict(BLOCK=triton.next_power_of_2(v), RADIX_BITS=c["RADIX_BITS"], PROCESS=processing is not None,
                      EMBED=embed is not None, BLOCK_D=triton.next_power_of_2(table.shape[1]) if embed else 1,
+                     BITS=16 if logits.dtype == torch.bfloat16 and processing is None else 32,
                      num_warps=c["num_warps"], **_pdl(logits)), compile_only)
     # timed per power-of-two class of rows: one row is latency-bound, 256 fill the GPU (the graphs'
     # batch buckets meet every class at warm-up, before any eager call can)
