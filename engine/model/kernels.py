@@ -859,6 +859,21 @@ if triton is not None:
         return x1 * c - x2 * s, x2 * c + x1 * s
 
     @triton.jit
+    def _normed_rotated_rows(at, valid, w_ptr, t_rows, start, inv_freq, eps, T: tl.constexpr, D: tl.constexpr,
+                             dtype: tl.constexpr):
+        """Heads [R, D] read at `at` (a row's first half; rows not `valid` are zero): RMS-normed with the
+        norm's weights and rotated (`_rope_rows`), as two halves in `dtype`."""
+        HALF: tl.constexpr = D // 2
+        i = tl.arange(0, HALF)
+        x1 = tl.load(at, mask=valid[:, None], other=0.0).to(tl.float32)
+        x2 = tl.load(at + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+        inv = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)
+        x1 = x1 * inv[:, None] * tl.load(w_ptr + i).to(tl.float32)[None, :]
+        x2 = x2 * inv[:, None] * tl.load(w_ptr + HALF + i).to(tl.float32)[None, :]
+        x1, x2 = _rope_rows(x1, x2, t_rows, start, inv_freq, T, dtype)
+        return x1.to(dtype), x2.to(dtype)
+
+    @triton.jit
     def _write_new_kv(qkv, k_cache, v_cache, pages, start, k_w_ptr, inv_freq, stride_qkv_t, capacity, eps, kvh,
                       T: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
         """KV head kvh's T new keys (RMS-normed, rotated) and values to the cache (positions past the
@@ -891,15 +906,8 @@ if triton is not None:
         r = tl.arange(0, M)
         t_r = r // G
         head = kvh * G + r % G
-        q_src = qkv + t_r[:, None] * stride_qkv_t + head[:, None] * D + i[None, :]
-        valid = (r < T * G)[:, None]
-        q1 = tl.load(q_src, mask=valid, other=0.0).to(tl.float32)
-        q2 = tl.load(q_src + HALF, mask=valid, other=0.0).to(tl.float32)
-        inv = tl.rsqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / D + eps)
-        q1 = q1 * inv[:, None] * tl.load(q_w_ptr + i).to(tl.float32)[None, :]
-        q2 = q2 * inv[:, None] * tl.load(q_w_ptr + HALF + i).to(tl.float32)[None, :]
-        q1, q2 = _rope_rows(q1, q2, t_r, start, inv_freq, T, dtype)
-        return q1.to(dtype), q2.to(dtype)
+        return _normed_rotated_rows(qkv + t_r[:, None] * stride_qkv_t + head[:, None] * D + i[None, :], r < T * G,
+                                    q_w_ptr, t_r, start, inv_freq, eps, T, D, dtype)
 
     @triton.jit
     def _attend(q1, q2, last, k_cache, v_cache, pages, k_begin, k_end, scale,
@@ -1087,7 +1095,6 @@ if triton is not None:
                                               cache_modifier=".cg")
                 _store_heads(out_ptr + b * stride_out_b, o / l_all[:, None], stride_out_t, kvh, T, G, D, M)
 
-
     @triton.jit
     def _short_attention_kernel(
             qkv_ptr, out_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr, k_w_ptr, inv_freq_ptr,
@@ -1133,27 +1140,15 @@ if triton is not None:
         t_q = r // GK
         head = kv0 * G + r % GK
         q_valid = r < T * GK
-        q_at = qkv + t_q[:, None] * stride_qkv_t + head[:, None] * D + i[None, :]
-        q1 = tl.load(q_at, mask=q_valid[:, None], other=0.0).to(tl.float32)
-        q2 = tl.load(q_at + HALF, mask=q_valid[:, None], other=0.0).to(tl.float32)
-        inv = tl.rsqrt((tl.sum(q1 * q1, 1) + tl.sum(q2 * q2, 1)) / D + eps)
-        q1 = q1 * inv[:, None] * tl.load(q_w_ptr + i).to(tl.float32)[None, :]
-        q2 = q2 * inv[:, None] * tl.load(q_w_ptr + HALF + i).to(tl.float32)[None, :]
-        q1, q2 = _rope_rows(q1, q2, t_q, start, inv_freq, T, dtype)
-        q1, q2 = q1.to(dtype), q2.to(dtype)
+        q1, q2 = _normed_rotated_rows(qkv + t_q[:, None] * stride_qkv_t + head[:, None] * D + i[None, :], q_valid,
+                                      q_w_ptr, t_q, start, inv_freq, eps, T, D, dtype)
         # the T new keys (normed, rotated) and values, a row per (position t, KV head), to the cache
         c_new = tl.arange(0, NEW)
         t_new = c_new // KVH
         h_new = kv0 + c_new % KVH
         new_valid = c_new < T * KVH
-        k_at = qkv + t_new[:, None] * stride_qkv_t + (HQ + h_new)[:, None] * D + i[None, :]
-        k1 = tl.load(k_at, mask=new_valid[:, None], other=0.0).to(tl.float32)
-        k2 = tl.load(k_at + HALF, mask=new_valid[:, None], other=0.0).to(tl.float32)
-        inv = tl.rsqrt((tl.sum(k1 * k1, 1) + tl.sum(k2 * k2, 1)) / D + eps)
-        k1 = k1 * inv[:, None] * tl.load(k_w_ptr + i).to(tl.float32)[None, :]
-        k2 = k2 * inv[:, None] * tl.load(k_w_ptr + HALF + i).to(tl.float32)[None, :]
-        k1, k2 = _rope_rows(k1, k2, t_new, start, inv_freq, T, dtype)
-        k1, k2 = k1.to(dtype), k2.to(dtype)
+        k1, k2 = _normed_rotated_rows(qkv + t_new[:, None] * stride_qkv_t + (HQ + h_new)[:, None] * D + i[None, :],
+                                      new_valid, k_w_ptr, t_new, start, inv_freq, eps, T, D, dtype)
         v_new = tl.load(qkv + t_new[:, None] * stride_qkv_t + (HQ + HKV + h_new)[:, None] * D + d[None, :],
                         mask=new_valid[:, None], other=0.0)
         pos = tl.minimum(start + t_new, capacity)
