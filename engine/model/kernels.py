@@ -14,8 +14,8 @@
   programs a KV head, the last to finish merging their partials; over a short cache, the code
   predictor's 16 positions, a kernel that takes a few KV heads or all of a row's at once, the new keys
   from registers and the older ones loaded before the wait, is timed beside it). At a handful of
-  rows cuBLAS reads the weights at a quarter of the memory bandwidth; `linear` streams them in one skinny kernel (tensor-core tiles, or for 1-2 rows a
-  CUDA-core one, whichever times fastest on the device) that also does the RMSNorm before the GEMM
+  rows cuBLAS reads the weights at a quarter of the memory bandwidth; `linear` streams them in one
+  skinny kernel (tensor-core tiles, or for 1-2 rows a CUDA-core one, whichever times fastest on the device) that also does the RMSNorm before the GEMM
   and the SwiGLU gate or the residual add after it: 5 kernels a layer. Past 16 rows the GEMMs are
   cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own and the residual add in
   addmm (which first copies the residual: 10 kernels a layer).
