@@ -10,15 +10,15 @@
 - The decode step (1 talker + 15 code-predictor forwards of 1-2 positions, 103 layers per frame) is
   bound by kernel launches at small batch, ~25 a layer as plain ops. `decode_attention` does a layer's
   whole attention core in one kernel (QK-norm, RoPE from the positions, K/V cache write, causal
-  attention over the row's cache; at a few rows a long context's keys may be cut over several
-  programs a KV head, the last to finish merging their partials; over a short cache, the code
-  predictor's 16 positions, a kernel that takes a few KV heads or all of a row's at once, the new keys
-  from registers and the older ones loaded before the wait, is timed beside it). At a handful of
-  rows cuBLAS reads the weights at a quarter of the memory bandwidth; `linear` streams them in one
-  skinny kernel (tensor-core tiles, or for 1-2 rows a CUDA-core one, whichever times fastest on the device) that also does the RMSNorm before the GEMM
-  and the SwiGLU gate or the residual add after it: 5 kernels a layer. Past 16 rows the GEMMs are
-  cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own and the residual add in
-  addmm (which first copies the residual: 10 kernels a layer).
+  attention over the row's cache; at a few rows a long context's keys may be cut over several programs
+  a KV head, the last to finish merging their partials; over a short cache, the code predictor's 16
+  positions, a kernel that takes a few KV heads or all of a row's at once, the new keys from registers
+  and the older ones loaded before the wait, is timed beside it). At a handful of rows cuBLAS reads
+  the weights at a quarter of the memory bandwidth; `linear` streams them in one skinny kernel
+  (tensor-core tiles, or for 1-2 rows a CUDA-core one, whichever times fastest on the device) that
+  also does the RMSNorm before the GEMM and the SwiGLU gate or the residual add after it: 5 kernels a
+  layer. Past 16 rows the GEMMs are cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own
+  and the residual add in addmm (which first copies the residual: 10 kernels a layer).
 - A frame's embedding for the next talker step (16 lookups in 16 tables, summed, plus the text
   term) was ~18 plain kernels a step; `embedding_sum` is one.
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
