@@ -148,6 +148,7 @@ def test_short_attention_is_offered_for_short_caches_only(kernels, monkeypatch):
     monkeypatch.setattr(kernels, "SHORT_ATTENTION", False)
     assert kernels.attention_configs(predictor) == kernels.ATTENTION_CONFIGS
 
+
 @pytest.fixture(scope="module")
 def fused_model(tiny_model_dir, kernels):
     """The model on the fused decode path (the GEMM, attention and sampling kernels)."""

@@ -1098,6 +1098,16 @@ if triton is not None:
                 _store_heads(out_ptr + b * stride_out_b, o / l_all[:, None], stride_out_t, kvh, T, G, D, M)
 
     @triton.jit
+    def _key_value_rows(at, k_offset, v_offset, valid, D: tl.constexpr):
+        """Cached keys (as two halves) and values [R, D] of the rows at `at` (rows not `valid`: zero)."""
+        HALF: tl.constexpr = D // 2
+        i = tl.arange(0, HALF)
+        k1 = tl.load(at + k_offset + i[None, :], mask=valid[:, None], other=0.0)
+        k2 = tl.load(at + k_offset + HALF + i[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(at + v_offset + tl.arange(0, D)[None, :], mask=valid[:, None], other=0.0)
+        return k1, k2, v
+
+    @triton.jit
     def _short_attention_kernel(
             qkv_ptr, out_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr, k_w_ptr, inv_freq_ptr,
             stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, stride_table, k_offset, v_offset,
@@ -1128,14 +1138,10 @@ if triton is not None:
         old_at = (anchor_ptr + tl.load(pages + j_old // PAGE, mask=old_valid, other=0)
                   + (j_old % PAGE) * (HKV * D) + (kv0 + c_old % KVH) * D)[:, None]
         if PRELOAD_KV:
-            k1_old = tl.load(old_at + k_offset + i[None, :], mask=old_valid[:, None], other=0.0)
-            k2_old = tl.load(old_at + k_offset + HALF + i[None, :], mask=old_valid[:, None], other=0.0)
-            v_old = tl.load(old_at + v_offset + d[None, :], mask=old_valid[:, None], other=0.0)
+            k1_old, k2_old, v_old = _key_value_rows(old_at, k_offset, v_offset, old_valid, D)
         _dependent_launch_start(PDL)
         if not PRELOAD_KV:
-            k1_old = tl.load(old_at + k_offset + i[None, :], mask=old_valid[:, None], other=0.0)
-            k2_old = tl.load(old_at + k_offset + HALF + i[None, :], mask=old_valid[:, None], other=0.0)
-            v_old = tl.load(old_at + v_offset + d[None, :], mask=old_valid[:, None], other=0.0)
+            k1_old, k2_old, v_old = _key_value_rows(old_at, k_offset, v_offset, old_valid, D)
         inv_freq = tl.load(inv_freq_ptr + i)
         # queries, a row per (position t, query head of the program), normed and rotated
         r = tl.arange(0, M)
@@ -1269,20 +1275,18 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
         args = (qkv, out, cache.anchor, cache.table, start, q_norm_weight, k_norm_weight, inv_freq,
                 qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1), cache.table.stride(0),
                 k_offset, v_offset, cache.capacity, eps, head_dim ** -0.5)
-        if "KVH" in c:
+        shapes = dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim, PAGE=cache.page_size,
+                      IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"])
+        if "KVH" in c:      # a short cache's kernel: KVH KV heads a program
             kvh = c["KVH"]
-            options = dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim, KVH=kvh,
-                           M=max(16, triton.next_power_of_2(t * heads // kv_heads * kvh)),
-                           NEW=max(16, triton.next_power_of_2(t * kvh)),
-                           OLD=max(16, triton.next_power_of_2(cache.capacity) * kvh), PAGE=cache.page_size,
-                           IEEE=qkv.dtype == torch.float32, PRELOAD_KV=c["PRELOAD_KV"], num_warps=c["num_warps"],
-                           num_stages=1, **_pdl(qkv))
-            _launch(_short_attention_kernel, (b, kv_heads // kvh), args, options, compile_only)
+            _launch(_short_attention_kernel, (b, kv_heads // kvh), args,
+                    dict(shapes, KVH=kvh, M=_query_rows(t, heads * kvh, kv_heads),
+                         NEW=max(16, triton.next_power_of_2(t * kvh)),
+                         OLD=max(16, triton.next_power_of_2(cache.capacity) * kvh), PRELOAD_KV=c["PRELOAD_KV"],
+                         num_stages=1, **_pdl(qkv)), compile_only)
             return
-        block = _key_block(cache, c["BLOCK_K"])
-        options = dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim, M=m, PAGE=cache.page_size,
-                       BLOCK_K=block, IEEE=qkv.dtype == torch.float32, num_warps=c["num_warps"],
-                       num_stages=c["num_stages"], **_pdl(qkv, prefetch=c["PREFETCH"]))
+        options = dict(shapes, M=m, BLOCK_K=_key_block(cache, c["BLOCK_K"]), num_stages=c["num_stages"],
+                       **_pdl(qkv, prefetch=c["PREFETCH"]))
         if c["SPLIT"] == 1:
             _launch(_decode_attention_kernel, (b, kv_heads), args, options, compile_only)
         else:
