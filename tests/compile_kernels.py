@@ -125,10 +125,12 @@ def main() -> None:
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
     # fp32 logits (the talker's, with its logits processor folded in or not) and bf16 (the code predictor's
-    # head, its picks' embeddings written or not: its last step)
-    for block, logits, process, embed in ((2048, "*fp32", False, False), (4096, "*fp32", False, False),
-                                          (4096, "*fp32", True, False), (2048, "*bf16", False, False),
-                                          (2048, "*bf16", False, True)):
+    # head, its picks' embeddings written or not: its last step); a decode step's noise hashed before the
+    # wait (settled), the prefill's after it
+    for block, logits, process, embed, settled in (
+            (2048, "*fp32", False, False, False), (4096, "*fp32", False, False, False),
+            (4096, "*fp32", True, False, False), (4096, "*fp32", True, False, True),
+            (2048, "*bf16", False, False, True), (2048, "*bf16", False, True, True)):
         for config in k.SAMPLE_CONFIGS:
             build(k._sample_rows_kernel, dict(logits_ptr=logits, out_ptr="*i64", greedy_ptr="*i1",
                                               temperature_ptr="*fp32", top_k_ptr="*i64", seed_ptr="*i64",
@@ -137,7 +139,8 @@ def main() -> None:
                                               V="i32", stride_logits="i32", stride_seen="i32", eos="i32",
                                               suppress_from="i32", D="i32", stride_embed="i32"),
                   dict(BLOCK=block, RADIX_BITS=config["RADIX_BITS"], PROCESS=process, EMBED=embed,
-                       BLOCK_D=1024 if embed else 1, BITS=16 if logits == "*bf16" else 32), num_warps=config["num_warps"])
+                       BLOCK_D=1024 if embed else 1, BITS=16 if logits == "*bf16" else 32, SETTLED=settled),
+                  num_warps=config["num_warps"])
     for p in ("*bf16", "*fp32"):     # the end of a decode step: the talker's hidden state in the model's dtype
         build(k._advance_rows_kernel, dict(act_ptr="*i1", new_c0_ptr="*i64", hidden_ptr=p, frames_ptr="*i64",
                                            alive_ptr="*i1", h_ptr=p, c0_ptr="*i64", seen_ptr="*i1", generated_ptr="*i64",

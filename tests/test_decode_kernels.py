@@ -234,12 +234,12 @@ def test_advance_rows_matches_the_tensor_ops(kernels, tiny_model_dir):
     assert got_state.alive.tolist() == [True, False, False, False, True, False]
 
 
-@pytest.mark.parametrize("radix_bits", [4, 8])
-def test_sample_rows_matches_plain_sampling(kernels, radix_bits):
+@pytest.mark.parametrize("radix_bits, settled", [(4, False), (8, False), (8, True)])
+def test_sample_rows_matches_plain_sampling(kernels, radix_bits, settled):
     """Greedy rows, temperatures, top-k of 0 (off), 1, 50 and past the vocab, suppressed (-inf) ids,
     tied logits, and logits that share their high bits (the k-th largest told apart only in the
     last digits, either sign): the same ids as `sample` without top-p, with each top-k search the GPU
-    may pick."""
+    may pick, and with the settings read and the noise hashed ahead of the logits (`settled`)."""
     config = next(c for c in kernels.SAMPLE_CONFIGS if c["RADIX_BITS"] == radix_bits)   # warps: no matter here
     from engine.sampling import gumbel_noise, sample
     g = torch.Generator().manual_seed(6)
@@ -259,7 +259,8 @@ def test_sample_rows_matches_plain_sampling(kernels, radix_bits):
         noise = gumbel_noise(seed, frame, codebook, v)
         expected = sample(logits[:, :v], greedy, temperature, top_k, no_top_p, seed, frame, codebook,
                           top_p_any=False, noise=noise)
-        got = kernels.sample_rows(logits[:, :v], greedy, temperature, top_k, seed, frame, codebook, config)
+        got = kernels.sample_rows(logits[:, :v], greedy, temperature, top_k, seed, frame, codebook, config,
+                                  settled=settled)
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 

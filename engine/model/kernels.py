@@ -35,7 +35,10 @@
   and values `decode_attention` reads from earlier steps, so each asks L2 for them before it waits:
   their read from memory overlaps the kernel before instead of following it. A `linear` config may go
   further (`PRELOAD`): a narrow column block loads its whole weight rows into registers before the
-  wait, so that after it only x is read; the timing at warm-up decides per shape.
+  wait, so that after it only x is read; the timing at warm-up decides per shape. In a decode step
+  `sample_rows` hashes its Gumbel noise before the wait too (its seeds and frames are settled).
+  Reading before the wait is safe for data written two or more kernels back: the kernel before lets
+  this one launch only after its own wait, when the one before it has completed.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
 The tests run the Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
@@ -1445,15 +1448,26 @@ if triton is not None:
                             seen_ptr, penalty_ptr, min_new_ptr, table_ptr, embed_ptr, codebook, V, stride_logits,
                             stride_seen, eos, suppress_from, D, stride_embed, BLOCK: tl.constexpr,
                             RADIX_BITS: tl.constexpr, PROCESS: tl.constexpr, EMBED: tl.constexpr,
-                            BLOCK_D: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_D: tl.constexpr, BITS: tl.constexpr, SETTLED: tl.constexpr, PDL: tl.constexpr):
         """`sample_rows` of row program_id(0). The top-k threshold is found on the logits before the
         temperature divides them (division by a positive temperature keeps their order, so the k-th
         largest quotient is the quotient of the k-th largest): on bf16 logits, from their 16 bits
-        instead of the quotients' 32."""
-        _dependent_launch_start(PDL)
+        instead of the quotients' 32. `SETTLED`: the row's settings are read and its noise hashed
+        before the wait, in the shadow of the kernel before (see `sample_rows`)."""
+        if not SETTLED:
+            _dependent_launch_start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < V
+        greedy = tl.load(greedy_ptr + row) != 0
+        noise = tl.zeros([BLOCK], tl.float64)
+        if not greedy:
+            noise = _gumbel_noise(tl.load(seed_ptr + row), tl.load(frame_ptr + row), codebook, cols)
+        temperature = tl.load(temperature_ptr + row)
+        k = tl.load(top_k_ptr + row)
+        k = tl.where(k > 0, tl.minimum(k, V), V).to(tl.int32)
+        if SETTLED:
+            _dependent_launch_start(PDL)
         logits = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=float("-inf")).to(tl.float32)
         if PROCESS:     # `sampling.TalkerLogitsProcessor` first; the row's frame is its tokens generated so far
             seen = tl.load(seen_ptr + row * stride_seen + cols, mask=mask, other=0) != 0
@@ -1461,16 +1475,12 @@ if triton is not None:
             logits = tl.where(seen, tl.where(logits < 0, logits * penalty, tl.div_rn(logits, penalty)), logits)
             eos_blocked = tl.load(frame_ptr + row) < tl.load(min_new_ptr + row)
             logits = tl.where(tl.where(cols == eos, eos_blocked, cols >= suppress_from), float("-inf"), logits)
-        if tl.load(greedy_ptr + row) != 0:
+        if greedy:
             pick = tl.argmax(logits, 0)
         else:
-            temperature = tl.load(temperature_ptr + row)
             warped = tl.div_rn(logits, temperature)     # IEEE division, as torch
-            k = tl.load(top_k_ptr + row)
-            k = tl.where(k > 0, tl.minimum(k, V), V).to(tl.int32)
             threshold = tl.div_rn(_kth_largest(logits, k, RADIX_BITS, BITS), temperature)
             warped = tl.where(warped < threshold, float("-inf"), warped)
-            noise = _gumbel_noise(tl.load(seed_ptr + row), tl.load(frame_ptr + row), codebook, cols)
             pick = tl.argmax(warped.to(tl.float64) + noise, 0)
         tl.store(out_ptr + row, pick.to(tl.int64))
         if EMBED:       # the pick's embedding: the next code-predictor step's input
@@ -1496,7 +1506,8 @@ class TalkerProcessing(NamedTuple):
 
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 seed: torch.Tensor, frame: torch.Tensor, codebook: int, config: dict | None = None,
-                processing: TalkerProcessing | None = None, embed: tuple | None = None) -> torch.Tensor:
+                processing: TalkerProcessing | None = None, embed: tuple | None = None,
+                settled: bool = False) -> torch.Tensor:
     """`engine.sampling.sample` without top-p in one kernel: ids [B] of logits [B, V] (fp32, or bf16
     made fp32 as it is loaded: no cast kernel before it), after the talker's logits processor where
     `processing` is given (the ~10 elementwise kernels it was). The Gumbel noise of (seed, frame,
@@ -1504,7 +1515,9 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.T
     codebook, it cost 8-12% of a decode step on an H200 (bench/README.md). embed = (table [V', D], out
     [B, D]): each row's pick's table row is written to out as well (a code-predictor step's next input,
     without a lookup kernel of its own). config: one of SAMPLE_CONFIGS; by default the fastest for these
-    shapes, timed once on the GPU."""
+    shapes, timed once on the GPU. settled: greedy, temperature, top_k, seed and frame were written two
+    or more kernels back (as in a decode step), so the kernel may read them and hash its noise before it
+    waits for the logits (see the module docstring)."""
     b, v = logits.shape
     logits = logits.contiguous()
     out = torch.empty(b, dtype=torch.long, device=logits.device)
@@ -1521,11 +1534,12 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.T
                  rows.stride(0)),
                 dict(BLOCK=triton.next_power_of_2(v), RADIX_BITS=c["RADIX_BITS"], PROCESS=processing is not None,
                      EMBED=embed is not None, BLOCK_D=triton.next_power_of_2(table.shape[1]) if embed else 1,
-                     BITS=16 if logits.dtype == torch.bfloat16 and processing is None else 32,
+                     BITS=16 if logits.dtype == torch.bfloat16 and processing is None else 32, SETTLED=settled,
                      num_warps=c["num_warps"], **_pdl(logits)), compile_only)
     # timed per power-of-two class of rows: one row is latency-bound, 256 fill the GPU (the graphs'
     # batch buckets meet every class at warm-up, before any eager call can)
-    key = ("sample_rows", v, b.bit_length()) + (("processed",) if processing else ()) + (("embed",) if embed else ())
+    key = ("sample_rows", v, b.bit_length(), settled) + (("processed",) if processing else ()) + \
+        (("embed",) if embed else ())
     launch(config or _fastest(key, SAMPLE_CONFIGS, launch))
     return out
 
