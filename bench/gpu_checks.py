@@ -176,7 +176,8 @@ def fused_sampling_vs_plain(model) -> dict:
     """`kernels.sample_rows` draws the same ids as the plain ops (noise from `gumbel_noise`) for 256
     sampled rows of every codebook of a frame: the in-kernel hash and float64 logs follow the plain ones;
     for the talker's codebook with its logits processor folded in (against `TalkerLogitsProcessor`'s
-    ops), and for the code predictor's with the picks' embeddings written (against a lookup)."""
+    ops), and for the code predictor's with the picks' embeddings written (against a lookup); the noise
+    hashed after the wait and before it (`settled`, as a decode step samples)."""
     from engine.model import kernels
     from engine.sampling import TalkerLogitsProcessor, gumbel_noise, sample
     dev, b = model.device, 256
@@ -192,9 +193,10 @@ def fused_sampling_vs_plain(model) -> dict:
         # top_p_any with every top_p at 1: the plain ops' path (its top-p leaves such rows alone)
         plain = sample(logits, greedy, temperature, top_k, top_p, seed, frame, codebook, top_p_any=True,
                        noise=gumbel_noise(seed, frame, codebook, v))
-        fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook)
-        same += int((plain == fused).sum())
-        total += b
+        for settled in (False, True):
+            fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook, settled=settled)
+            same += int((plain == fused).sum())
+            total += b
         if codebook == 0:       # the talker's processor: penalty on seen ids, EOS before min_new_tokens, suppression
             processor = TalkerLogitsProcessor(v, v - 1000, dev)
             seen = torch.rand(b, v, device=dev, generator=g) < 0.2
@@ -204,11 +206,12 @@ def fused_sampling_vs_plain(model) -> dict:
                            frame, codebook, top_p_any=True, noise=gumbel_noise(seed, frame, codebook, v))
             fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook,
                                         processing=kernels.TalkerProcessing(seen, penalty, min_new, processor.eos_id,
-                                                                            processor.suppress_from))
+                                                                            processor.suppress_from), settled=True)
         else:                   # the next step's input written as the code predictor's sampler picks
             table = torch.randn(v, 1024, device=dev, generator=g).to(model.dtype)
             rows = torch.empty(b, 1024, device=dev, dtype=model.dtype)
-            fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook, embed=(table, rows))
+            fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook, embed=(table, rows),
+                                        settled=True)
             same += int((rows == table[fused]).all(dim=1).sum())
             total += b
         same += int((plain == fused).sum())
