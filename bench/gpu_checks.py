@@ -337,6 +337,43 @@ def short_attention_vs_per_head(model) -> dict:
                 repeatable=repeatable, ok=worst < 0.01 and kv_equal and repeatable)
 
 
+def qkv_attention_vs_two_kernels(model) -> dict:
+    """`qkv_attention`'s one kernel in every config (the normed QKV projection, then each KV head's
+    attention by the program that finishes its columns last) against `linear` and `decode_attention`,
+    at the code predictor's first layer over random earlier keys: 1, 2 and 8 rows, 1 and 2 new
+    positions; 20 launches each (the same output every time), the keys and values written, and the
+    arrival counters zero after."""
+    from engine.model import kernels
+    g = torch.Generator(device=model.device).manual_seed(7)
+    predictor = model.talker.code_predictor
+    layer = predictor.model.layers[0]
+    attn, norm = layer.self_attn, layer.input_layernorm
+    args = (attn.heads, attn.kv_heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
+            predictor.model.inv_freq)
+    rows, worst, repeatable = [], 0.0, True
+    for b, t in ((1, 1), (1, 2), (2, 2), (8, 1), (8, 2)):
+        cache = predictor.new_cache(b)
+        kv = [torch.randn(b, cache.capacity, attn.kv_heads, attn.head_dim, device=model.device, generator=g).to(model.dtype)
+              for _ in range(2)]
+        start = (torch.arange(b, device=model.device) % 2) * (cache.capacity - t)
+        h = torch.randn(b, t, norm.weight.shape[0], device=model.device, generator=g).to(model.dtype)
+        cache.write(0, *kv, torch.zeros(b, dtype=torch.long, device=model.device))
+        qkv = kernels.linear(h, attn.qkv_weight, norm.weight, norm.eps)
+        expected = kernels.decode_attention(qkv, *args, cache, 0, start, kernels.ATTENTION_CONFIGS[0])
+        expected_kv = torch.cat(cache.read(0, b, cache.capacity), dim=-1)
+        for config in kernels.qkv_attention_configs(b * t, h.shape[-1], attn.head_dim):
+            cache.write(0, *kv, torch.zeros(b, dtype=torch.long, device=model.device))
+            outs = [kernels.qkv_attention(h, attn.qkv_weight, norm.weight, norm.eps, *args, cache, 0, start,
+                                          config=config) for _ in range(20)]
+            repeatable &= all(torch.equal(o, outs[0]) for o in outs)
+            worst = max(worst, err(outs[0], expected)["rel_rms"],
+                        err(torch.cat(cache.read(0, b, cache.capacity), dim=-1), expected_kv)["rel_rms"])
+        rows.append(f"{b} rows, {t} positions: worst so far {worst:.1e}")
+    counters = int(kernels._arrival_counters(model.device, "qkv attention", attn.kv_heads).sum())
+    return dict(check="qkv_attention_vs_two_kernels", rel_rms=rows, worst_rel_rms=worst, repeatable=repeatable,
+                counters_after=counters, ok=worst < 0.01 and repeatable and counters == 0)
+
+
 @torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -348,7 +385,7 @@ def main() -> int:
     checks = (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops,
               vocoder_channels_last_vs_first, scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
               dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, split_attention_vs_one_program,
-              short_attention_vs_per_head)
+              short_attention_vs_per_head, qkv_attention_vs_two_kernels)
     if args.only:
         names = args.only.split(",")
         unknown = set(names) - {c.__name__ for c in checks}

@@ -96,6 +96,21 @@ def main() -> None:
                            BLOCK_K=1 << (kk - 1).bit_length() if preload else c["BLOCK_K"], DOT=dot,
                            IEEE=dtype == "fp32", NORM=norm, GATED=gated, RESIDUAL=residual, PRELOAD=preload),
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
+        # every config `qkv_attention`'s one kernel may time and pick for the code predictor at one row (its
+        # 1 and 2 positions), bf16; the first in fp32
+        for c in k.qkv_attention_configs(1, 1024, 128)[:None if dtype == "bf16" else 1]:
+            dot, preload = c["kernel"] == "dot", c.get("PRELOAD", False)
+            for t in (1, 2):
+                build(k._qkv_attention_kernel,
+                      dict(x_ptr=p, w_ptr=p, norm_w_ptr=p, qkv_ptr=p, out_ptr=p, counter_ptr="*i32", anchor_ptr=p,
+                           table_ptr="*i64", start_ptr="*i64", q_w_ptr=p, k_w_ptr=p, inv_freq_ptr="*fp32", B="i32",
+                           K="i32", eps="fp32", stride_table="i32", k_offset="i32", v_offset="i32", capacity="i32",
+                           qk_eps="fp32", scale="fp32"),
+                      dict(BLOCK_M=16 if dot else k.GEMV_ROWS, BLOCK_N=c["BLOCK_N"],
+                           BLOCK_K=1024 if preload else c["BLOCK_K"], DOT=dot, PRELOAD=preload, T=t, G=2, HQ=16,
+                           HKV=8, D=128, M=16, PAGE=16, BLOCK_KEYS=16, IEEE=dtype == "fp32",
+                           PREFETCH=k.LINEAR_PREFETCH and not preload),
+                      num_warps=c["num_warps"], num_stages=c["num_stages"])
         # the vocoder's kernels over tensors of either layout: the stride of 1 (samples adjacent, or
         # channels: the CUDA layout) specialized, as Triton specializes it at launch
         i32 = "i32"

@@ -17,7 +17,9 @@
   the weights at a quarter of the memory bandwidth; `linear` streams them in one skinny kernel
   (tensor-core tiles, or for 1-2 rows a CUDA-core one, whichever times fastest on the device) that
   also does the RMSNorm before the GEMM and the SwiGLU gate or the residual add after it: 5 kernels a
-  layer. Past 16 rows the GEMMs are cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own
+  layer. At a row or two over the code predictor's short cache the QKV GEMM and the attention may be
+  one kernel (`qkv_attention`, where it times faster): the program that finishes a KV head's columns
+  last attends for that KV head, so 4. Past 16 rows the GEMMs are cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own
   and the residual add in addmm (which first copies the residual: 10 kernels a layer).
 - A frame's embedding for the next talker step (16 lookups in 16 tables, summed, plus the text
   term) was ~18 plain kernels a step; `embedding_sum` is one.
@@ -690,10 +692,19 @@ if triton is not None:
                               DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
                               GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
                               PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
-        """`_linear_block` of the column block of program_id(0), its weights asked of L2 before the wait; or
+        """`_linear_program` of the column block of program_id(0)."""
+        _linear_program(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, tl.program_id(0) * BLOCK_N,
+                        BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL, PDL, PREFETCH, PRELOAD)
+
+    @triton.jit
+    def _linear_program(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
+                        GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                        PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
+        """`_linear_block` of the column block at col0, its weights asked of L2 before the wait; or
         (PRELOAD, BLOCK_K >= K) the block's whole weight rows loaded into registers before the wait,
         so that after it only x is read: the weights' read overlaps the kernel before."""
-        col0 = tl.program_id(0) * BLOCK_N
         if PRELOAD:
             cols = col0 + tl.arange(0, BLOCK_N)
             rows = tl.arange(0, BLOCK_M)
@@ -1350,6 +1361,138 @@ def _timing_cache(cache, layers: int, rows: int, t: int, start: torch.Tensor, ke
     scratch = type(cache)(layers, rows, keys, cache.kv_heads, cache.head_dim, cache.anchor.dtype, cache.anchor.device,
                           cache.page_size, reserve_all=True, separate_pages=cache.separate_pages)
     return scratch, torch.full((rows,), max(0, keys - t), dtype=start.dtype, device=start.device)
+
+
+if triton is not None:
+    @triton.jit
+    def _qkv_attention_kernel(
+            x_ptr, w_ptr, norm_w_ptr, qkv_ptr, out_ptr, counter_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr,
+            k_w_ptr, inv_freq_ptr, B, K, eps, stride_table, k_offset, v_offset, capacity, qk_eps, scale,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+            PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr,
+            HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr, PAGE: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+            IEEE: tl.constexpr, PDL: tl.constexpr):
+        """`_linear_program` of the normed QKV projection's column block of program_id(0) (each block
+        within one head's columns), counted in at its KV head's arrival counter; the last of a KV head's
+        query, key and value blocks to arrive does that KV head's `_attention_group` for every row and
+        sets the counter back to 0."""
+        N: tl.constexpr = (HQ + 2 * HKV) * D
+        col0 = tl.program_id(0) * BLOCK_N
+        _linear_program(x_ptr, w_ptr, qkv_ptr, x_ptr, norm_w_ptr, B * T, N, K, eps, col0, BLOCK_M, BLOCK_N, BLOCK_K,
+                        DOT, IEEE, True, False, False, PDL, PREFETCH, PRELOAD)
+        kvh = tl.where(col0 < HQ * D, col0 // (G * D), (col0 - HQ * D) // D % HKV)
+        tl.debug_barrier()                                     # the program's threads have all written
+        arrived = tl.atomic_add(counter_ptr + kvh, 1, sem="acq_rel", scope="gpu")
+        if arrived == (G + 2) * D // BLOCK_N - 1:               # the last: the KV head's columns are written
+            tl.debug_barrier()
+            tl.store(counter_ptr + kvh, 0)
+            for b in range(B):
+                _attention_group(qkv_ptr + b * T * N, out_ptr + b * T * HQ * D, anchor_ptr + k_offset + kvh * D,
+                                 anchor_ptr + v_offset + kvh * D, table_ptr + b * stride_table, tl.load(start_ptr + b),
+                                 q_w_ptr, k_w_ptr, inv_freq_ptr, N, HQ * D, capacity, qk_eps, scale, kvh,
+                                 T, G, HQ, HKV, D, M, PAGE, BLOCK_KEYS, IEEE)
+
+
+# `qkv_attention`'s one kernel: over caches of at most this many positions a row (the code predictor's
+# 16), where a KV head's attention is a short tail for one program, which does it for every row in
+# turn: at most QKV_ATTENTION_MAX_ROWS of them. QWEN3_TTS_QKV_ATTENTION=0: never.
+QKV_ATTENTION = os.environ.get("QWEN3_TTS_QKV_ATTENTION", "1") != "0"
+QKV_ATTENTION_MAX_KEYS = 64
+QKV_ATTENTION_MAX_ROWS = 2
+_qkv_attention_choice: dict = {}       # timing key -> the one kernel's config, or None: the two kernels
+
+
+def qkv_attention_configs(rows: int, k: int, head_dim: int) -> list[dict]:
+    """`linear_configs` whose column blocks lie within one head: those `qkv_attention`'s one kernel takes."""
+    return [c for c in linear_configs(rows, k) if head_dim % c["BLOCK_N"] == 0]
+
+
+def qkv_attention(h: torch.Tensor, qkv_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, heads: int,
+                  kv_heads: int, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, qk_eps: float,
+                  inv_freq: torch.Tensor, cache, layer: int, start: torch.Tensor, kmax: int | None = None,
+                  config: dict | None = None) -> torch.Tensor:
+    """`decode_attention`(`linear`(h, qkv_weight, norm_weight, eps), ...) -> [B, T, heads * head_dim]
+    for h [B, T, hidden]. Over a short cache (the code predictor's) at a few rows, one kernel may do
+    both (`_qkv_attention_kernel`): the program that finishes a KV head's projection last attends for
+    it, a link fewer in a decode step's chain of dependent kernels. Taken where its fastest config
+    times faster than the two kernels' fastest together, each timed as `linear` and `decode_attention`
+    time them. config: one of `qkv_attention_configs` (the one kernel), or None (as timed; off the
+    GPU, or with no timing yet, the two kernels)."""
+    b, t, k = h.shape
+    head_dim = cache.head_dim
+    width = (heads + 2 * kv_heads) * head_dim
+    rows = b * t
+
+    def separate():
+        qkv = linear(h, qkv_weight, norm_weight, eps)
+        return decode_attention(qkv, heads, kv_heads, q_norm_weight, k_norm_weight, qk_eps, inv_freq, cache, layer,
+                                start, kmax=kmax)
+
+    if config is None and not (QKV_ATTENTION and b <= QKV_ATTENTION_MAX_ROWS and cache.capacity <= QKV_ATTENTION_MAX_KEYS):
+        return separate()
+    if qkv_weight.shape != (width, k) or kv_heads != cache.kv_heads or not decode_attention_supports(head_dim):
+        raise ValueError(f"qkv_attention: unsupported shapes h {tuple(h.shape)}, weight {tuple(qkv_weight.shape)}, "
+                         f"cache of {cache.kv_heads} x {head_dim}")
+    x = h.reshape(rows, k).contiguous()
+    out = torch.empty(b, t, heads * head_dim, dtype=h.dtype, device=h.device)
+    counters = _arrival_counters(h.device, "qkv attention", kv_heads)
+
+    def launch(c, compile_only=False, weight=qkv_weight, cache=cache, layer=layer, start=start):
+        dot, preload = c["kernel"] == "dot", c.get("PRELOAD", False)
+        k_offset, v_offset = cache.layer_offsets(layer)
+        qkv = torch.empty(b, t, width, dtype=h.dtype, device=h.device)
+        _launch(_qkv_attention_kernel, (width // c["BLOCK_N"],),
+                (x, weight, norm_weight, qkv, out, counters, cache.anchor, cache.table, start, q_norm_weight,
+                 k_norm_weight, inv_freq, b, k, eps, cache.table.stride(0), k_offset, v_offset, cache.capacity,
+                 qk_eps, head_dim ** -0.5),
+                dict(BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=c["BLOCK_N"],
+                     BLOCK_K=triton.next_power_of_2(k) if preload else c["BLOCK_K"], DOT=dot, PRELOAD=preload,
+                     T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
+                     M=_query_rows(t, heads, kv_heads), PAGE=cache.page_size, BLOCK_KEYS=_key_block(cache, 64),
+                     IEEE=h.dtype == torch.float32, num_warps=c["num_warps"], num_stages=c["num_stages"],
+                     **_pdl(h, prefetch=LINEAR_PREFETCH and not preload)), compile_only)
+
+    if config is None:
+        key = ("qkv_attention", rows, t, width, k, h.dtype, cache.capacity, cache.page_size)
+        if key not in _qkv_attention_choice:
+            if h.is_cuda and torch.cuda.is_current_stream_capturing():
+                return separate()
+            _qkv_attention_choice[key] = _time_qkv_attention(key, h, qkv_weight, norm_weight, heads, kv_heads,
+                                                             cache, start, kmax, separate, launch)
+        config = _qkv_attention_choice[key]
+        if config is None:
+            return separate()
+    launch(config)
+    return out
+
+
+def _time_qkv_attention(key, h, qkv_weight, norm_weight, heads, kv_heads, cache, start, kmax, separate,
+                        launch) -> dict | None:
+    """`qkv_attention`'s choice for `key`: its one kernel's fastest config (timed as a graph replays it
+    over copies of the weights and scratch cache layers, as `linear` and `decode_attention` are), or
+    None where `linear` and `decode_attention`'s fastest (timed by running them once) are faster together,
+    and off the GPU."""
+    if not h.is_cuda:
+        return None
+    separate()
+    b, t, k = h.shape
+    width = qkv_weight.shape[0]
+    linear_ms = _fastest_time.get(linear_timing_key(b * t, width, k, h.dtype, True, False, False))
+    attention_ms = _fastest_time.get(attention_timing_key(b, t, heads, kv_heads, h.dtype, cache, kmax))
+    if linear_ms is None or attention_ms is None:
+        return None
+    copies = copies_beyond_l2(qkv_weight.numel() * qkv_weight.element_size(), h.device)
+    scratch, scratch_start = _timing_cache(cache, copies, b, t, start, _timing_keys(cache, kmax))
+    weights = [qkv_weight] + [qkv_weight.clone() for _ in range(copies - 1)]
+    launches = [functools.partial(launch, weight=w, cache=scratch, layer=i, start=scratch_start)
+                for i, w in enumerate(weights)]
+    configs = qkv_attention_configs(b * t, k, cache.head_dim)
+    _compile_candidates(configs, launches[0])
+    times = [_time(lambda c: _graph_time(launches, c), c) for c in configs]
+    fastest = min(times)
+    log.info("qkv_attention %s: one kernel %.2f us, linear + decode_attention %.2f us", key, 1000 * fastest,
+             1000 * (linear_ms + attention_ms))
+    return configs[times.index(fastest)] if fastest < linear_ms + attention_ms else None
 
 
 if triton is not None:
