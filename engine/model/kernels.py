@@ -1489,10 +1489,11 @@ def _time_qkv_attention(key, h, qkv_weight, norm_weight, heads, kv_heads, cache,
     configs = qkv_attention_configs(b * t, k, cache.head_dim)
     _compile_candidates(configs, launches[0])
     times = [_time(lambda c: _graph_time(launches, c), c) for c in configs]
-    fastest = min(times)
+    fastest = _fastest_time[key] = min(times)
+    _fastest_config[key] = configs[times.index(fastest)]
     log.info("qkv_attention %s: one kernel %.2f us, linear + decode_attention %.2f us", key, 1000 * fastest,
              1000 * (linear_ms + attention_ms))
-    return configs[times.index(fastest)] if fastest < linear_ms + attention_ms else None
+    return _fastest_config[key] if fastest < linear_ms + attention_ms else None
 
 
 if triton is not None:
