@@ -223,8 +223,10 @@ def test_fused_decode_reproduces_golden_codes_through_the_short_attention(fused_
 def test_fused_decode_reproduces_golden_codes_through_the_qkv_attention_kernel(fused_model, golden_cases, golden_npz,
                                                                              kernels, monkeypatch):
     """The same with the code predictor's QKV projection and attention in one kernel
-    (`_qkv_attention_kernel`, which the GPU's timing may pick), for each of three rows."""
+    (`_qkv_attention_kernel`, which the GPU's timing may pick where QWEN3_TTS_QKV_ATTENTION=1), for
+    each of three rows."""
     monkeypatch.setattr(kernels, "_qkv_attention_choice", {})
+    monkeypatch.setattr(kernels, "QKV_ATTENTION", True)
     monkeypatch.setattr(kernels, "QKV_ATTENTION_MAX_ROWS", 3)
     chosen = []
 

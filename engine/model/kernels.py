@@ -1395,8 +1395,9 @@ if triton is not None:
 
 # `qkv_attention`'s one kernel: over caches of at most this many positions a row (the code predictor's
 # 16), where a KV head's attention is a short tail for one program, which does it for every row in
-# turn: at most QKV_ATTENTION_MAX_ROWS of them. QWEN3_TTS_QKV_ATTENTION=0: never.
-QKV_ATTENTION = os.environ.get("QWEN3_TTS_QKV_ATTENTION", "1") != "0"
+# turn: at most QKV_ATTENTION_MAX_ROWS of them. Opt-in (QWEN3_TTS_QKV_ATTENTION=1) until it has been
+# checked and timed on a GPU (bench/README.md, fifteenth session).
+QKV_ATTENTION = os.environ.get("QWEN3_TTS_QKV_ATTENTION", "0") == "1"
 QKV_ATTENTION_MAX_KEYS = 64
 QKV_ATTENTION_MAX_ROWS = 2
 _qkv_attention_choice: dict = {}       # timing key -> the one kernel's config, or None: the two kernels
