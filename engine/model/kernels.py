@@ -18,9 +18,10 @@
   (tensor-core tiles, or for 1-2 rows a CUDA-core one, whichever times fastest on the device) that
   also does the RMSNorm before the GEMM and the SwiGLU gate or the residual add after it: 5 kernels a
   layer. At a row or two over the code predictor's short cache the QKV GEMM and the attention may be
-  one kernel (`qkv_attention`, where it times faster): the program that finishes a KV head's columns
-  last attends for that KV head, so 4. Past 16 rows the GEMMs are cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own
-  and the residual add in addmm (which first copies the residual: 10 kernels a layer).
+  one kernel (`qkv_attention`, opt-in, where it times faster): the program that finishes a KV head's
+  columns last attends for that KV head, so 4. Past 16 rows the GEMMs are cuBLAS's, with `rms_norm`
+  and `silu_mul` as kernels of their own and the residual add in addmm (which first copies the
+  residual: 10 kernels a layer).
 - A frame's embedding for the next talker step (16 lookups in 16 tables, summed, plus the text
   term) was ~18 plain kernels a step; `embedding_sum` is one.
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
@@ -1429,7 +1430,8 @@ def qkv_attention(h: torch.Tensor, qkv_weight: torch.Tensor, norm_weight: torch.
         return decode_attention(qkv, heads, kv_heads, q_norm_weight, k_norm_weight, qk_eps, inv_freq, cache, layer,
                                 start, kmax=kmax)
 
-    if config is None and not (QKV_ATTENTION and b <= QKV_ATTENTION_MAX_ROWS and cache.capacity <= QKV_ATTENTION_MAX_KEYS):
+    short = b <= QKV_ATTENTION_MAX_ROWS and cache.capacity <= QKV_ATTENTION_MAX_KEYS
+    if config is None and not (QKV_ATTENTION and short):
         return separate()
     if qkv_weight.shape != (width, k) or kv_heads != cache.kv_heads or not decode_attention_supports(head_dim):
         raise ValueError(f"qkv_attention: unsupported shapes h {tuple(h.shape)}, weight {tuple(qkv_weight.shape)}, "

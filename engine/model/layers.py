@@ -265,8 +265,9 @@ class DecoderStack(nn.Module):
     def _decode(self, x, cache, start, kmax=None):
         """The layers of `forward` for decode steps (rows = slots 0..B-1, T <= 2): the same math in 5
         kernels a layer at up to 16 rows (4 where `kernels.qkv_attention` takes one kernel; 10 beyond
-        16), the norms, gate and residual adds folded into the GEMMs and the attention core in one kernel. Attention reads each row's live keys: kmax only
-        says what length its launch config is timed for."""
+        16), the norms, gate and residual adds folded into the GEMMs and the attention core in one
+        kernel. Attention reads each row's live keys: kmax only says what length its launch config is
+        timed for."""
         for i, layer in enumerate(self.layers):
             x = layer.decode(x, cache, i, start, self.inv_freq, kmax)
         return x
