@@ -258,6 +258,31 @@ def test_fused_decode_samples_the_same_frames(tiny_model_dir, fused_model):
     torch.testing.assert_close(frames[1], frames[0], atol=0, rtol=0)
 
 
+def test_fused_decode_past_16_rows_leaves_its_input_alone(tiny_model_dir, fused_model):
+    """Past 16 rows a stack's residual adds are cuBLAS's into its own buffer (no copy of the residual
+    first): the talker's decode forward of 18 rows over earlier keys is the plain forward's, and the
+    input it was given is left as it was."""
+    plain = load_model(tiny_model_dir).talker.model
+    fused = fused_model.talker.model
+    t = plain.layers[0].self_attn
+    g = torch.Generator().manual_seed(9)
+    b, cap = 18, 32
+    caches = [KVCache(len(plain.layers), b, cap, t.kv_heads, t.head_dim, torch.float32, "cpu", page_size=16,
+                      reserve_all=True) for _ in range(2)]
+    for layer in range(len(plain.layers)):
+        earlier = [torch.randn(b, cap, t.kv_heads, t.head_dim, generator=g) for _ in range(2)]
+        for c in caches:
+            c.write(layer, *earlier, torch.zeros(b, dtype=torch.long))
+    start = torch.randint(0, cap - 1, (b,), generator=g)
+    x = torch.randn(b, 1, fused.norm.weight.shape[0], generator=g)
+    given = x.clone()
+    with torch.no_grad():
+        expected = plain(x, caches[0], start, kmax=cap)
+        got = fused(x, caches[1], start, kmax=cap)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(x, given)
+
+
 def test_advance_rows_matches_the_tensor_ops(kernels, tiny_model_dir):
     """The end of a decode step in one kernel: a row that moves (active and alive) takes the new hidden
     state and c0, marks the c0 seen and counts a c0 and a position; one that samples EOS, passes its
@@ -432,6 +457,11 @@ def test_skinny_linear_matches_the_separate_ops(kernels, rows, epilogue):
         out = torch.full((rows, n), float("nan"))
         kernels.skinny_linear(x, w, out, config, *args)
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=str(config))
+    if residual:        # in place: the same bits; past SKINNY_ROWS written into the residual's own buffer
+        r_own = r.clone()
+        got = kernels.linear(x, w, residual=r_own, in_place=True)
+        assert torch.equal(got, kernels.linear(x, w, residual=r))
+        assert (got.data_ptr() == r_own.data_ptr()) == (rows > kernels.SKINNY_ROWS)
 
 
 def test_off_the_gpu_linear_runs_one_program_for_all_columns(kernels, monkeypatch):

@@ -20,8 +20,8 @@
   layer. At a row or two over the code predictor's short cache the QKV GEMM and the attention may be
   one kernel (`qkv_attention`, opt-in, where it times faster): the program that finishes a KV head's
   columns last attends for that KV head, so 4. Past 16 rows the GEMMs are cuBLAS's, with `rms_norm`
-  and `silu_mul` as kernels of their own and the residual add in addmm (which first copies the
-  residual: 10 kernels a layer).
+  and `silu_mul` as kernels of their own and the residual add cuBLAS's, into the stack's own buffer
+  (addmm_: 8 kernels a layer, where addmm's copy of the residual first made 10).
 - A frame's embedding for the next talker step (16 lookups in 16 tables, summed, plus the text
   term) was ~18 plain kernels a step; `embedding_sum` is one.
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
@@ -784,14 +784,16 @@ def _preload_fits(config: dict, k: int, gated: bool, element_size: int) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-           gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+           gated: bool = False, residual: torch.Tensor | None = None, in_place: bool = False) -> torch.Tensor:
     """x @ weight.T (no bias) for the fused decode path, with what surrounds a GEMM in a transformer
     layer folded in: the RMSNorm before it (`norm_weight`, `eps`), the SwiGLU gate after it (`gated`:
     weight is [gate; up], the result silu(gate) * up) or the residual add after it (`residual`).
 
     Up to SKINNY_ROWS rows it is one skinny kernel (the fastest of `linear_configs` for its shapes,
     timed once on the GPU); beyond, where cuBLAS is good, the RMSNorm and gate are kernels of their own
-    and the residual add is cuBLAS's epilogue (addmm).
+    and the residual add is cuBLAS's (beta = 1). in_place: the residual is the caller's own buffer and
+    dead after the call, so beyond SKINNY_ROWS the add is done into it (addmm_) instead of into a copy
+    of it (addmm copies the residual into its output first: a kernel a call).
     """
     rows, k = x.numel() // x.shape[-1], x.shape[-1]
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -803,7 +805,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | No
         if gated:
             y = silu_mul(F.linear(x2, weight))
         elif r2 is not None:
-            y = torch.addmm(r2, x2, weight.t())
+            y = r2.addmm_(x2, weight.t()) if in_place else torch.addmm(r2, x2, weight.t())
         else:
             y = F.linear(x2, weight)
         return y.view(*x.shape[:-1], n)

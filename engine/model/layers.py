@@ -172,14 +172,15 @@ class Attention(nn.Module):
         out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), mask.repeat(1, 1, g, 1))
         return self.o_proj(out.reshape(b, self.heads, t, self.head_dim).transpose(1, 2).reshape(b, t, -1))
 
-    def decode(self, h, norm: RMSNorm, cache, layer: int, start, inv_freq, kmax=None):
+    def decode(self, h, norm: RMSNorm, cache, layer: int, start, inv_freq, kmax=None, own_h: bool = False):
         """h + self(norm(h)) for the decode pattern (rows = slots 0..B-1, a few new positions each): the
         norm in the QKV GEMM, the attention core in one kernel (`kernels.decode_attention`, its launch
         config timed for rows of up to kmax keys; over a short cache the GEMM and it may be one kernel,
-        `kernels.qkv_attention`), the residual add in the output GEMM. Needs `fuse`."""
+        `kernels.qkv_attention`), the residual add in the output GEMM (into h itself where `own_h`: h
+        is the stack's own buffer, read by no one after). Needs `fuse`."""
         out = qkv_attention(h, self.qkv_weight, norm.weight, norm.eps, self.heads, self.kv_heads, self.q_norm.weight,
                             self.k_norm.weight, self.q_norm.eps, inv_freq, cache, layer, start, kmax=kmax)
-        return linear(out, self.o_proj.weight, residual=h)
+        return linear(out, self.o_proj.weight, residual=h, in_place=own_h)
 
 
 class DecoderLayer(nn.Module):
@@ -197,13 +198,15 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, slots, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def decode(self, h, cache, layer: int, start, inv_freq, kmax=None):
+    def decode(self, h, cache, layer: int, start, inv_freq, kmax=None, own_h: bool = False):
         """`forward` for the fused decode path: 3 GEMMs with the norms, the gate and the residual adds
-        folded in (`kernels.linear`), and the attention kernel."""
-        h = self.self_attn.decode(h, self.input_layernorm, cache, layer, start, inv_freq, kmax)
+        folded in (`kernels.linear`), and the attention kernel. The residual adds may write into the
+        buffer they add to where it is the stack's own (the attention's: `own_h`, h is not the stack's
+        input; the MLP's always, its h made by the attention's add)."""
+        h = self.self_attn.decode(h, self.input_layernorm, cache, layer, start, inv_freq, kmax, own_h)
         norm, mlp = self.post_attention_layernorm, self.mlp
         act = linear(h, mlp.gate_up_weight, norm.weight, norm.eps, gated=True)
-        return linear(act, mlp.down_proj.weight, residual=h)
+        return linear(act, mlp.down_proj.weight, residual=h, in_place=True)
 
 
 class DecoderStack(nn.Module):
@@ -264,10 +267,10 @@ class DecoderStack(nn.Module):
 
     def _decode(self, x, cache, start, kmax=None):
         """The layers of `forward` for decode steps (rows = slots 0..B-1, T <= 2): the same math in 5
-        kernels a layer at up to 16 rows (4 where `kernels.qkv_attention` takes one kernel; 10 beyond
+        kernels a layer at up to 16 rows (4 where `kernels.qkv_attention` takes one kernel; 8 beyond
         16), the norms, gate and residual adds folded into the GEMMs and the attention core in one
         kernel. Attention reads each row's live keys: kmax only says what length its launch config is
         timed for."""
         for i, layer in enumerate(self.layers):
-            x = layer.decode(x, cache, i, start, self.inv_freq, kmax)
+            x = layer.decode(x, cache, i, start, self.inv_freq, kmax, own_h=i > 0)   # x: the caller's, then ours
         return x
