@@ -1460,10 +1460,11 @@ def qkv_attention(h: torch.Tensor, qkv_weight: torch.Tensor, norm_weight: torch.
     if config is None:
         key = ("qkv_attention", rows, t, width, k, h.dtype, cache.capacity, cache.page_size)
         if key not in _qkv_attention_choice:
-            if h.is_cuda and torch.cuda.is_current_stream_capturing():
-                return separate()
-            _qkv_attention_choice[key] = _time_qkv_attention(key, h, qkv_weight, norm_weight, heads, kv_heads,
-                                                             cache, start, kmax, separate, launch)
+            result = separate()     # this call's output, and the two kernels' timings to compare with
+            if not (h.is_cuda and torch.cuda.is_current_stream_capturing()):
+                _qkv_attention_choice[key] = _time_qkv_attention(key, h, qkv_weight, heads, kv_heads, cache, start,
+                                                                 kmax, launch)
+            return result
         config = _qkv_attention_choice[key]
         if config is None:
             return separate()
@@ -1471,15 +1472,13 @@ def qkv_attention(h: torch.Tensor, qkv_weight: torch.Tensor, norm_weight: torch.
     return out
 
 
-def _time_qkv_attention(key, h, qkv_weight, norm_weight, heads, kv_heads, cache, start, kmax, separate,
-                        launch) -> dict | None:
+def _time_qkv_attention(key, h, qkv_weight, heads, kv_heads, cache, start, kmax, launch) -> dict | None:
     """`qkv_attention`'s choice for `key`: its one kernel's fastest config (timed as a graph replays it
     over copies of the weights and scratch cache layers, as `linear` and `decode_attention` are), or
-    None where `linear` and `decode_attention`'s fastest (timed by running them once) are faster together,
+    None where `linear` and `decode_attention`'s fastest (timed as they first ran) are faster together,
     and off the GPU."""
     if not h.is_cuda:
         return None
-    separate()
     b, t, k = h.shape
     width = qkv_weight.shape[0]
     linear_ms = _fastest_time.get(linear_timing_key(b * t, width, k, h.dtype, True, False, False))
