@@ -303,6 +303,18 @@ def split_attention_vs_one_program(model) -> dict:
                 counters_after=counters, ok=worst < 0.01 and kv_equal and counters == [0, 0])
 
 
+def _predictor_cache_case(model, g: torch.Generator, b: int, t: int):
+    """A code-predictor cache of b rows, random earlier keys and values for it (K, V [b, capacity, KV
+    heads, head dim]; the caller writes them, as often as it needs them fresh) and the rows' starts:
+    every other row with no earlier key, the rest with the cache full but its last t positions."""
+    predictor = model.talker.code_predictor
+    attn = predictor.model.layers[0].self_attn
+    cache = predictor.new_cache(b)
+    kv = [torch.randn(b, cache.capacity, attn.kv_heads, attn.head_dim, device=model.device, generator=g).to(model.dtype)
+          for _ in range(2)]
+    return cache, kv, (torch.arange(b, device=model.device) % 2) * (cache.capacity - t)
+
+
 def short_attention_vs_per_head(model) -> dict:
     """`decode_attention` over the code predictor's short cache in every `_short_attention_kernel`
     config (a row's KV heads in one program, or a few) against one program a KV head, at its first
@@ -316,10 +328,7 @@ def short_attention_vs_per_head(model) -> dict:
             predictor.model.inv_freq)
     rows, worst, kv_equal, repeatable = [], 0.0, True, True
     for b, t in ((1, 1), (1, 2), (2, 1), (2, 2), (256, 1), (256, 2)):
-        cache = predictor.new_cache(b)
-        kv = [torch.randn(b, cache.capacity, attn.kv_heads, attn.head_dim, device=model.device, generator=g).to(model.dtype)
-              for _ in range(2)]
-        start = (torch.arange(b, device=model.device) % 2) * (cache.capacity - t)
+        cache, kv, start = _predictor_cache_case(model, g, b, t)
         qkv = torch.randn(b, t, (attn.heads + 2 * attn.kv_heads) * attn.head_dim, device=model.device,
                           generator=g).to(model.dtype)
         results = []                    # (output, K/V cached) of the per-head kernel, then each short config
@@ -352,10 +361,7 @@ def qkv_attention_vs_two_kernels(model) -> dict:
             predictor.model.inv_freq)
     rows, worst, repeatable = [], 0.0, True
     for b, t in ((1, 1), (1, 2), (2, 2), (8, 1), (8, 2)):
-        cache = predictor.new_cache(b)
-        kv = [torch.randn(b, cache.capacity, attn.kv_heads, attn.head_dim, device=model.device, generator=g).to(model.dtype)
-              for _ in range(2)]
-        start = (torch.arange(b, device=model.device) % 2) * (cache.capacity - t)
+        cache, kv, start = _predictor_cache_case(model, g, b, t)
         h = torch.randn(b, t, norm.weight.shape[0], device=model.device, generator=g).to(model.dtype)
         cache.write(0, *kv, torch.zeros(b, dtype=torch.long, device=model.device))
         qkv = kernels.linear(h, attn.qkv_weight, norm.weight, norm.eps)
