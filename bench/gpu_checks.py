@@ -176,8 +176,7 @@ def fused_sampling_vs_plain(model) -> dict:
     """`kernels.sample_rows` draws the same ids as the plain ops (noise from `gumbel_noise`) for 256
     sampled rows of every codebook of a frame: the in-kernel hash and float64 logs follow the plain ones;
     for the talker's codebook with its logits processor folded in (against `TalkerLogitsProcessor`'s
-    ops), and for the code predictor's with the picks' embeddings written (against a lookup); the noise
-    hashed after the wait and before it (`settled`, as a decode step samples)."""
+    ops), and for the code predictor's with the picks' embeddings written (against a lookup)."""
     from engine.model import kernels
     from engine.sampling import TalkerLogitsProcessor, gumbel_noise, sample
     dev, b = model.device, 256
@@ -193,10 +192,9 @@ def fused_sampling_vs_plain(model) -> dict:
         # top_p_any with every top_p at 1: the plain ops' path (its top-p leaves such rows alone)
         plain = sample(logits, greedy, temperature, top_k, top_p, seed, frame, codebook, top_p_any=True,
                        noise=gumbel_noise(seed, frame, codebook, v))
-        for settled in (False, True):
-            fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook, settled=settled)
-            same += int((plain == fused).sum())
-            total += b
+        fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook)
+        same += int((plain == fused).sum())
+        total += b
         if codebook == 0:       # the talker's processor: penalty on seen ids, EOS before min_new_tokens, suppression
             processor = TalkerLogitsProcessor(v, v - 1000, dev)
             seen = torch.rand(b, v, device=dev, generator=g) < 0.2
@@ -206,12 +204,11 @@ def fused_sampling_vs_plain(model) -> dict:
                            frame, codebook, top_p_any=True, noise=gumbel_noise(seed, frame, codebook, v))
             fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook,
                                         processing=kernels.TalkerProcessing(seen, penalty, min_new, processor.eos_id,
-                                                                            processor.suppress_from), settled=True)
+                                                                            processor.suppress_from))
         else:                   # the next step's input written as the code predictor's sampler picks
             table = torch.randn(v, 1024, device=dev, generator=g).to(model.dtype)
             rows = torch.empty(b, 1024, device=dev, dtype=model.dtype)
-            fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook, embed=(table, rows),
-                                        settled=True)
+            fused = kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook, embed=(table, rows))
             same += int((rows == table[fused]).all(dim=1).sum())
             total += b
         same += int((plain == fused).sum())
@@ -303,18 +300,6 @@ def split_attention_vs_one_program(model) -> dict:
                 counters_after=counters, ok=worst < 0.01 and kv_equal and counters == [0, 0])
 
 
-def _predictor_cache_case(model, g: torch.Generator, b: int, t: int):
-    """A code-predictor cache of b rows, random earlier keys and values for it (K, V [b, capacity, KV
-    heads, head dim]; the caller writes them, as often as it needs them fresh) and the rows' starts:
-    every other row with no earlier key, the rest with the cache full but its last t positions."""
-    predictor = model.talker.code_predictor
-    attn = predictor.model.layers[0].self_attn
-    cache = predictor.new_cache(b)
-    kv = [torch.randn(b, cache.capacity, attn.kv_heads, attn.head_dim, device=model.device, generator=g).to(model.dtype)
-          for _ in range(2)]
-    return cache, kv, (torch.arange(b, device=model.device) % 2) * (cache.capacity - t)
-
-
 def short_attention_vs_per_head(model) -> dict:
     """`decode_attention` over the code predictor's short cache in every `_short_attention_kernel`
     config (a row's KV heads in one program, or a few) against one program a KV head, at its first
@@ -328,7 +313,10 @@ def short_attention_vs_per_head(model) -> dict:
             predictor.model.inv_freq)
     rows, worst, kv_equal, repeatable = [], 0.0, True, True
     for b, t in ((1, 1), (1, 2), (2, 1), (2, 2), (256, 1), (256, 2)):
-        cache, kv, start = _predictor_cache_case(model, g, b, t)
+        cache = predictor.new_cache(b)
+        kv = [torch.randn(b, cache.capacity, attn.kv_heads, attn.head_dim, device=model.device, generator=g).to(model.dtype)
+              for _ in range(2)]
+        start = (torch.arange(b, device=model.device) % 2) * (cache.capacity - t)
         qkv = torch.randn(b, t, (attn.heads + 2 * attn.kv_heads) * attn.head_dim, device=model.device,
                           generator=g).to(model.dtype)
         results = []                    # (output, K/V cached) of the per-head kernel, then each short config
@@ -346,40 +334,6 @@ def short_attention_vs_per_head(model) -> dict:
                 repeatable=repeatable, ok=worst < 0.01 and kv_equal and repeatable)
 
 
-def qkv_attention_vs_two_kernels(model) -> dict:
-    """`qkv_attention`'s one kernel in every config (the normed QKV projection, then each KV head's
-    attention by the program that finishes its columns last) against `linear` and `decode_attention`,
-    at the code predictor's first layer over random earlier keys: 1, 2 and 8 rows, 1 and 2 new
-    positions; 20 launches each (the same output every time), the keys and values written, and the
-    arrival counters zero after."""
-    from engine.model import kernels
-    g = torch.Generator(device=model.device).manual_seed(7)
-    predictor = model.talker.code_predictor
-    layer = predictor.model.layers[0]
-    attn, norm = layer.self_attn, layer.input_layernorm
-    args = (attn.heads, attn.kv_heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
-            predictor.model.inv_freq)
-    rows, worst, repeatable = [], 0.0, True
-    for b, t in ((1, 1), (1, 2), (2, 2), (8, 1), (8, 2)):
-        cache, kv, start = _predictor_cache_case(model, g, b, t)
-        h = torch.randn(b, t, norm.weight.shape[0], device=model.device, generator=g).to(model.dtype)
-        cache.write(0, *kv, torch.zeros(b, dtype=torch.long, device=model.device))
-        qkv = kernels.linear(h, attn.qkv_weight, norm.weight, norm.eps)
-        expected = kernels.decode_attention(qkv, *args, cache, 0, start, kernels.ATTENTION_CONFIGS[0])
-        expected_kv = torch.cat(cache.read(0, b, cache.capacity), dim=-1)
-        for config in kernels.qkv_attention_configs(b * t, h.shape[-1], attn.head_dim):
-            cache.write(0, *kv, torch.zeros(b, dtype=torch.long, device=model.device))
-            outs = [kernels.qkv_attention(h, attn.qkv_weight, norm.weight, norm.eps, *args, cache, 0, start,
-                                          config=config) for _ in range(20)]
-            repeatable &= all(torch.equal(o, outs[0]) for o in outs)
-            worst = max(worst, err(outs[0], expected)["rel_rms"],
-                        err(torch.cat(cache.read(0, b, cache.capacity), dim=-1), expected_kv)["rel_rms"])
-        rows.append(f"{b} rows, {t} positions: worst so far {worst:.1e}")
-    counters = int(kernels._arrival_counters(model.device, "qkv attention", attn.kv_heads).sum())
-    return dict(check="qkv_attention_vs_two_kernels", rel_rms=rows, worst_rel_rms=worst, repeatable=repeatable,
-                counters_after=counters, ok=worst < 0.01 and repeatable and counters == 0)
-
-
 @torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -391,7 +345,7 @@ def main() -> int:
     checks = (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops,
               vocoder_channels_last_vs_first, scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
               dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, split_attention_vs_one_program,
-              short_attention_vs_per_head, qkv_attention_vs_two_kernels)
+              short_attention_vs_per_head)
     if args.only:
         names = args.only.split(",")
         unknown = set(names) - {c.__name__ for c in checks}

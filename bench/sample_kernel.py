@@ -1,8 +1,7 @@
 """`sample_rows` (temperature, top-k, the Gumbel draw: one kernel a codebook, 16 a frame) in each launch
 config it may time, at the shapes a decode step samples: the code predictor's 2,048 bf16 logits and
 the talker's 3,072 fp32 ones, at 1 to 256 rows (one row is a single program, latency-bound; 256 fill
-the GPU), its noise hashed after the dependent-launch wait or before it (`settled`). Microseconds a
-call, timed in CUDA graphs (GPU time), beside the config its own timing picks.
+the GPU). Microseconds a call, timed in CUDA graphs (GPU time), beside the config its own timing picks.
 
     python -m bench.sample_kernel --rows 1,16,256
 """
@@ -36,18 +35,15 @@ def main() -> None:
             temperature = torch.full((b,), 0.9, device=dev)
             top_k = torch.full((b,), args.top_k, dtype=torch.long, device=dev)
             seed, frame = torch.arange(b, device=dev), torch.zeros(b, dtype=torch.long, device=dev)
-            for settled in (False, True):       # the noise hashed after the wait, or before it (a decode step)
-                def sample(c=None):
-                    return kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, 3, c, settled=settled)
-                sample()
-                picked = kernels._fastest_config[("sample_rows", vocab, b.bit_length(), settled)]
-                us = {}
-                for c in kernels.SAMPLE_CONFIGS:
-                    us[config_name(c)] = round(1000 * timed_in_graph(lambda: sample(c), args.reps), 2)
-                emit(dict(peer="qwen3-tts-server", kind="sample_kernel", rows=b, vocab=vocab, dtype=str(dtype),
-                          top_k=args.top_k, settled=settled, picked=config_name(picked),
-                          picked_us=us[config_name(picked)], us=dict(sorted(us.items(), key=lambda kv: kv[1]))),
-                     args.out)
+            sample = lambda c=None: kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, 3, c)  # noqa: E731
+            sample()
+            picked = kernels._fastest_config[("sample_rows", vocab, b.bit_length())]
+            us = {}
+            for c in kernels.SAMPLE_CONFIGS:
+                us[config_name(c)] = round(1000 * timed_in_graph(lambda: sample(c), args.reps), 2)
+            emit(dict(peer="qwen3-tts-server", kind="sample_kernel", rows=b, vocab=vocab, dtype=str(dtype),
+                      top_k=args.top_k, picked=config_name(picked), picked_us=us[config_name(picked)],
+                      us=dict(sorted(us.items(), key=lambda kv: kv[1]))), args.out)
 
 
 if __name__ == "__main__":

@@ -214,15 +214,12 @@ class ModelRunner:
         groups = self.talker.code_predictor.num_steps
         noise = None if fused_sampling(self.device, params.sub_top_p_any) or all_greedy(params.sub_greedy) else \
             subtalker_noise(params.seed, frame_index, groups, self.talker.code_predictor.cfg.vocab_size)
-        # settled: the rows' settings and frame_index come from two or more kernels before each sampling
         rest = self.talker.predict_codes(
-            h, c0, lambda logits, group, embed: sample_subtalker(logits, group, frame_index, params, noise, embed,
-                                                                 settled=True), self.cp_cache)
+            h, c0, lambda logits, group, embed: sample_subtalker(logits, group, frame_index, params, noise, embed), self.cp_cache)
         frames = torch.cat([c0[:, None], rest], dim=1)
         x = self.talker.embed_frame(frames, plus=text_embeds)
         hidden = self.talker(x[:, None], self.cache, self.length[:n], kmax=kmax)[:, 0]
-        new_c0 = sample_talker(self.processor, self.talker.logits(hidden), self.seen[:n], self.generated[:n], params,
-                               settled=True)
+        new_c0 = sample_talker(self.processor, self.talker.logits(hidden), self.seen[:n], self.generated[:n], params)
         state = kernels.RowState(self.alive[:n], h, c0, self.seen[:n], self.generated[:n], self.length[:n],
                                  self.limit[:n])
         if self.talker.model.fused_decode:

@@ -194,15 +194,13 @@ def warp(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, t
 
 def sample(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, seed: torch.Tensor, frame: torch.Tensor, codebook: int,
-           top_p_any: bool = True, noise: torch.Tensor | None = None, embed: Embed | None = None,
-           settled: bool = False) -> torch.Tensor:
+           top_p_any: bool = True, noise: torch.Tensor | None = None, embed: Embed | None = None) -> torch.Tensor:
     """ids [B]: argmax of logits where greedy, else a seeded draw from softmax(warp(logits)), in
     fp32 whatever the logits' float dtype. `noise`: this codebook's gumbel_noise(seed, frame,
     codebook) when already computed (the fused kernel hashes its own). `embed` = (table, out): table[ids]
-    is written to out too. `settled`: see `kernels.sample_rows`."""
+    is written to out too."""
     if fused_sampling(logits.device, top_p_any):          # the same, in one kernel
-        return kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook, embed=embed,
-                                   settled=settled)
+        return kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, codebook, embed=embed)
     logits = logits.float()
     ids = logits.argmax(dim=-1)
     if not all_greedy(greedy):
@@ -234,27 +232,26 @@ def fused_sampling(device: torch.device, top_p_any: bool) -> bool:
 
 
 def sample_talker(processor: TalkerLogitsProcessor, logits: torch.Tensor, seen: torch.Tensor,
-                  generated: torch.Tensor, p: SamplingTensors, settled: bool = False) -> torch.Tensor:
+                  generated: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     """c0 [B] from raw fp32 talker logits [B,V]; `generated` [B] = c0 tokens generated so far by the
-    row (also the frame index keying its noise, codebook 0). `settled`: see `kernels.sample_rows`."""
+    row (also the frame index keying its noise, codebook 0)."""
     if fused_sampling(logits.device, p.talker_top_p_any):       # the processor in the sampling kernel
         processing = kernels.TalkerProcessing(seen, p.repetition_penalty, p.min_new_tokens, processor.eos_id,
                                               processor.suppress_from)
         return kernels.sample_rows(logits, p.greedy, p.temperature, p.top_k, p.seed, generated, 0,
-                                   processing=processing, settled=settled)
+                                   processing=processing)
     logits = processor(logits, seen, generated, p.repetition_penalty, p.min_new_tokens)
     return sample(logits, p.greedy, p.temperature, p.top_k, p.top_p, p.seed, generated, 0, p.talker_top_p_any)
 
 
 def sample_subtalker(logits: torch.Tensor, group: int, frame: torch.Tensor, p: SamplingTensors,
-                     noise: torch.Tensor | None = None, embed: Embed | None = None,
-                     settled: bool = False) -> torch.Tensor:
+                     noise: torch.Tensor | None = None, embed: Embed | None = None) -> torch.Tensor:
     """Codebook `group` (1..15) ids [B] from code-predictor logits (MODEL.md 6.3: no penalty,
     no suppression). `frame` [B] is the row's index of the frame being completed. `noise`
     [B, 15, V]: `subtalker_noise(...)` for the frame (one hash pass instead of 15), or None (always
-    when `fused_sampling`). `settled`: see `kernels.sample_rows`."""
+    when `fused_sampling`)."""
     return sample(logits, p.sub_greedy, p.sub_temperature, p.sub_top_k, p.sub_top_p, p.seed, frame, group,
-                  p.sub_top_p_any, None if noise is None else noise[:, group - 1], embed, settled)
+                  p.sub_top_p_any, None if noise is None else noise[:, group - 1], embed)
 
 
 def subtalker_noise(seed: torch.Tensor, frame: torch.Tensor, groups: int, vocab: int) -> torch.Tensor:

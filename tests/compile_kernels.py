@@ -96,21 +96,6 @@ def main() -> None:
                            BLOCK_K=1 << (kk - 1).bit_length() if preload else c["BLOCK_K"], DOT=dot,
                            IEEE=dtype == "fp32", NORM=norm, GATED=gated, RESIDUAL=residual, PRELOAD=preload),
                       num_warps=c["num_warps"], num_stages=c["num_stages"])
-        # every config `qkv_attention`'s one kernel may time and pick for the code predictor at one row (its
-        # 1 and 2 positions), bf16; the first in fp32
-        for c in k.qkv_attention_configs(1, 1024, 128)[:None if dtype == "bf16" else 1]:
-            dot, preload = c["kernel"] == "dot", c.get("PRELOAD", False)
-            for t in (1, 2):
-                build(k._qkv_attention_kernel,
-                      dict(x_ptr=p, w_ptr=p, norm_w_ptr=p, qkv_ptr=p, out_ptr=p, counter_ptr="*i32", anchor_ptr=p,
-                           table_ptr="*i64", start_ptr="*i64", q_w_ptr=p, k_w_ptr=p, inv_freq_ptr="*fp32", B="i32",
-                           K="i32", eps="fp32", stride_table="i32", k_offset="i32", v_offset="i32", capacity="i32",
-                           qk_eps="fp32", scale="fp32"),
-                      dict(BLOCK_M=16 if dot else k.GEMV_ROWS, BLOCK_N=c["BLOCK_N"],
-                           BLOCK_K=1024 if preload else c["BLOCK_K"], DOT=dot, PRELOAD=preload, T=t, G=2, HQ=16,
-                           HKV=8, D=128, M=16, PAGE=16, BLOCK_KEYS=16, IEEE=dtype == "fp32",
-                           PREFETCH=k.LINEAR_PREFETCH and not preload),
-                      num_warps=c["num_warps"], num_stages=c["num_stages"])
         # the vocoder's kernels over tensors of either layout: the stride of 1 (samples adjacent, or
         # channels: the CUDA layout) specialized, as Triton specializes it at launch
         i32 = "i32"
@@ -140,12 +125,10 @@ def main() -> None:
         build(k._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                                            stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
     # fp32 logits (the talker's, with its logits processor folded in or not) and bf16 (the code predictor's
-    # head, its picks' embeddings written or not: its last step); a decode step's noise hashed before the
-    # wait (settled), the prefill's after it
-    for block, logits, process, embed, settled in (
-            (2048, "*fp32", False, False, False), (4096, "*fp32", False, False, False),
-            (4096, "*fp32", True, False, False), (4096, "*fp32", True, False, True),
-            (2048, "*bf16", False, False, True), (2048, "*bf16", False, True, True)):
+    # head, its picks' embeddings written or not: its last step)
+    for block, logits, process, embed in ((2048, "*fp32", False, False), (4096, "*fp32", False, False),
+                                          (4096, "*fp32", True, False), (2048, "*bf16", False, False),
+                                          (2048, "*bf16", False, True)):
         for config in k.SAMPLE_CONFIGS:
             build(k._sample_rows_kernel, dict(logits_ptr=logits, out_ptr="*i64", greedy_ptr="*i1",
                                               temperature_ptr="*fp32", top_k_ptr="*i64", seed_ptr="*i64",
@@ -154,8 +137,7 @@ def main() -> None:
                                               V="i32", stride_logits="i32", stride_seen="i32", eos="i32",
                                               suppress_from="i32", D="i32", stride_embed="i32"),
                   dict(BLOCK=block, RADIX_BITS=config["RADIX_BITS"], PROCESS=process, EMBED=embed,
-                       BLOCK_D=1024 if embed else 1, BITS=16 if logits == "*bf16" else 32, SETTLED=settled),
-                  num_warps=config["num_warps"])
+                       BLOCK_D=1024 if embed else 1, BITS=16 if logits == "*bf16" else 32), num_warps=config["num_warps"])
     for p in ("*bf16", "*fp32"):     # the end of a decode step: the talker's hidden state in the model's dtype
         build(k._advance_rows_kernel, dict(act_ptr="*i1", new_c0_ptr="*i64", hidden_ptr=p, frames_ptr="*i64",
                                            alive_ptr="*i1", h_ptr=p, c0_ptr="*i64", seen_ptr="*i1", generated_ptr="*i64",

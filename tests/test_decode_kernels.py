@@ -137,41 +137,6 @@ def test_short_attention_matches_the_program_per_head(kernels, t, heads, kv_head
             torch.testing.assert_close(a, e, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("b, t", [(1, 1), (1, 2), (3, 2)])
-def test_qkv_attention_in_one_kernel_matches_the_two(kernels, b, t):
-    """The normed QKV projection and the attention over a short cache in one kernel (a KV head's
-    attention done by the program that finishes its columns last) give what `linear` and then
-    `decode_attention` give, and write the same keys and values, with a CUDA-core, a tensor-core and a
-    weights-preloaded config; the arrival counters are zero again after every launch. Off the GPU,
-    untold, it is the two kernels."""
-    torch.manual_seed(6)
-    heads, kv_heads, head_dim, hidden, cap = 4, 2, 32, 64, 16
-    caches = [KVCache(1, b, cap, kv_heads, head_dim, torch.float32, "cpu", page_size=16, reserve_all=True,
-                      separate_pages=True) for _ in range(2)]
-    earlier = torch.randn(b, cap, kv_heads, head_dim), torch.randn(b, cap, kv_heads, head_dim)
-    h = torch.randn(b, t, hidden)
-    weight = torch.randn((heads + 2 * kv_heads) * head_dim, hidden) * hidden ** -0.5
-    norm_w, qw, kw = (torch.rand(n) + 0.5 for n in (hidden, head_dim, head_dim))
-    start = torch.tensor([cap - t, 0, 5][:b])
-    inv_freq = rope_inv_freq(head_dim, 1e6)
-    caches[0].write(0, *earlier, torch.zeros(b, dtype=torch.long))
-    expected = kernels.decode_attention(kernels.linear(h, weight, norm_w, 1e-6), heads, kv_heads, qw, kw, 1e-6,
-                                        inv_freq, caches[0], 0, start, kernels.ATTENTION_CONFIGS[0])
-    configs = kernels.qkv_attention_configs(b * t, hidden, head_dim)
-    picked = [next(c for c in configs if c["kernel"] == "dot" and not c.get("PRELOAD")),
-              next(c for c in configs if c.get("PRELOAD"))]
-    picked += [c for c in configs if c["kernel"] == "gemv" and not c.get("PRELOAD")][:1]
-    assert len(picked) == (3 if b * t <= 2 else 2)
-    for config in picked + [None]:
-        caches[1].write(0, *earlier, torch.zeros(b, dtype=torch.long))
-        got = kernels.qkv_attention(h, weight, norm_w, 1e-6, heads, kv_heads, qw, kw, 1e-6, inv_freq, caches[1], 0,
-                                    start, config=config)
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=str(config))
-        for a, e in zip(caches[1].read(0, b, cap), caches[0].read(0, b, cap)):
-            torch.testing.assert_close(a, e, atol=1e-6, rtol=0)
-        assert not kernels._arrival_counters(torch.device("cpu"), "qkv attention", kv_heads).any()
-
-
 def test_short_attention_is_offered_for_short_caches_only(kernels, monkeypatch):
     """The code predictor's cache (16 positions, 8 KV heads) gets the short kernel's configs, each
     within the key tile's limit; the talker's does not, nor does any with QWEN3_TTS_SHORT_ATTENTION=0."""
@@ -218,28 +183,6 @@ def test_fused_decode_reproduces_golden_codes_through_the_short_attention(fused_
     results = synthesize(fused_model, golden_requests(fused_model, golden_cases["batch3_icl"], z, max_frames=8))
     for i, res in enumerate(results):
         np.testing.assert_array_equal(res.codes, z[f"codes_{i}"][:res.codes.shape[0]])
-
-
-def test_fused_decode_reproduces_golden_codes_through_the_qkv_attention_kernel(fused_model, golden_cases, golden_npz,
-                                                                             kernels, monkeypatch):
-    """The same with the code predictor's QKV projection and attention in one kernel
-    (`_qkv_attention_kernel`, which the GPU's timing may pick where QWEN3_TTS_QKV_ATTENTION=1), for
-    each of three rows."""
-    monkeypatch.setattr(kernels, "_qkv_attention_choice", {})
-    monkeypatch.setattr(kernels, "QKV_ATTENTION", True)
-    monkeypatch.setattr(kernels, "QKV_ATTENTION_MAX_ROWS", 3)
-    chosen = []
-
-    def one_kernel(key, h, *args):
-        chosen.append(key)
-        return kernels.qkv_attention_configs(h.shape[0] * h.shape[1], h.shape[2], fused_model.talker.code_predictor
-                                             .cfg.transformer.head_dim)[0]
-    monkeypatch.setattr(kernels, "_time_qkv_attention", one_kernel)
-    z = golden_npz("batch3_icl")
-    results = synthesize(fused_model, golden_requests(fused_model, golden_cases["batch3_icl"], z, max_frames=8))
-    for i, res in enumerate(results):
-        np.testing.assert_array_equal(res.codes, z[f"codes_{i}"][:res.codes.shape[0]])
-    assert {key[2] for key in chosen} == {1, 2}         # the code predictor's steps of 1 and 2 positions
 
 
 def test_fused_decode_samples_the_same_frames(tiny_model_dir, fused_model):
@@ -316,12 +259,12 @@ def test_advance_rows_matches_the_tensor_ops(kernels, tiny_model_dir):
     assert got_state.alive.tolist() == [True, False, False, False, True, False]
 
 
-@pytest.mark.parametrize("radix_bits, settled", [(4, False), (8, False), (8, True)])
-def test_sample_rows_matches_plain_sampling(kernels, radix_bits, settled):
+@pytest.mark.parametrize("radix_bits", [4, 8])
+def test_sample_rows_matches_plain_sampling(kernels, radix_bits):
     """Greedy rows, temperatures, top-k of 0 (off), 1, 50 and past the vocab, suppressed (-inf) ids,
     tied logits, and logits that share their high bits (the k-th largest told apart only in the
     last digits, either sign): the same ids as `sample` without top-p, with each top-k search the GPU
-    may pick, and with the settings read and the noise hashed ahead of the logits (`settled`)."""
+    may pick."""
     config = next(c for c in kernels.SAMPLE_CONFIGS if c["RADIX_BITS"] == radix_bits)   # warps: no matter here
     from engine.sampling import gumbel_noise, sample
     g = torch.Generator().manual_seed(6)
@@ -341,8 +284,7 @@ def test_sample_rows_matches_plain_sampling(kernels, radix_bits, settled):
         noise = gumbel_noise(seed, frame, codebook, v)
         expected = sample(logits[:, :v], greedy, temperature, top_k, no_top_p, seed, frame, codebook,
                           top_p_any=False, noise=noise)
-        got = kernels.sample_rows(logits[:, :v], greedy, temperature, top_k, seed, frame, codebook, config,
-                                  settled=settled)
+        got = kernels.sample_rows(logits[:, :v], greedy, temperature, top_k, seed, frame, codebook, config)
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 

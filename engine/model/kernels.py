@@ -17,11 +17,9 @@
   the weights at a quarter of the memory bandwidth; `linear` streams them in one skinny kernel
   (tensor-core tiles, or for 1-2 rows a CUDA-core one, whichever times fastest on the device) that
   also does the RMSNorm before the GEMM and the SwiGLU gate or the residual add after it: 5 kernels a
-  layer. At a row or two over the code predictor's short cache the QKV GEMM and the attention may be
-  one kernel (`qkv_attention`, opt-in, where it times faster): the program that finishes a KV head's
-  columns last attends for that KV head, so 4. Past 16 rows the GEMMs are cuBLAS's, with `rms_norm`
-  and `silu_mul` as kernels of their own and the residual add cuBLAS's, into the stack's own buffer
-  (addmm_: 8 kernels a layer, where addmm's copy of the residual first made 10).
+  layer. Past 16 rows the GEMMs are cuBLAS's, with `rms_norm` and `silu_mul` as kernels of their own
+  and the residual add cuBLAS's, into the stack's own buffer (addmm_: 8 kernels a layer, where
+  addmm's copy of the residual first made 10).
 - A frame's embedding for the next talker step (16 lookups in 16 tables, summed, plus the text
   term) was ~18 plain kernels a step; `embedding_sum` is one.
 - Sampling a codebook (temperature, top-k, Gumbel-max draw, greedy rows) is ~15 small kernels as
@@ -38,10 +36,7 @@
   and values `decode_attention` reads from earlier steps, so each asks L2 for them before it waits:
   their read from memory overlaps the kernel before instead of following it. A `linear` config may go
   further (`PRELOAD`): a narrow column block loads its whole weight rows into registers before the
-  wait, so that after it only x is read; the timing at warm-up decides per shape. In a decode step
-  `sample_rows` hashes its Gumbel noise before the wait too (its seeds and frames are settled).
-  Reading before the wait is safe for data written two or more kernels back: the kernel before lets
-  this one launch only after its own wait, when the one before it has completed.
+  wait, so that after it only x is read; the timing at warm-up decides per shape.
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
 The tests run the Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
@@ -693,19 +688,10 @@ if triton is not None:
                               DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
                               GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
                               PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
-        """`_linear_program` of the column block of program_id(0)."""
-        _linear_program(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, tl.program_id(0) * BLOCK_N,
-                        BLOCK_M, BLOCK_N, BLOCK_K, DOT, IEEE, NORM, GATED, RESIDUAL, PDL, PREFETCH, PRELOAD)
-
-    @triton.jit
-    def _linear_program(x_ptr, w_ptr, y_ptr, r_ptr, norm_w_ptr, M, N, K, eps, col0,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT: tl.constexpr, IEEE: tl.constexpr, NORM: tl.constexpr,
-                        GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                        PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
-        """`_linear_block` of the column block at col0, its weights asked of L2 before the wait; or
+        """`_linear_block` of the column block of program_id(0), its weights asked of L2 before the wait; or
         (PRELOAD, BLOCK_K >= K) the block's whole weight rows loaded into registers before the wait,
         so that after it only x is read: the weights' read overlaps the kernel before."""
+        col0 = tl.program_id(0) * BLOCK_N
         if PRELOAD:
             cols = col0 + tl.arange(0, BLOCK_N)
             rows = tl.arange(0, BLOCK_M)
@@ -1368,140 +1354,6 @@ def _timing_cache(cache, layers: int, rows: int, t: int, start: torch.Tensor, ke
 
 if triton is not None:
     @triton.jit
-    def _qkv_attention_kernel(
-            x_ptr, w_ptr, norm_w_ptr, qkv_ptr, out_ptr, counter_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr,
-            k_w_ptr, inv_freq_ptr, B, K, eps, stride_table, k_offset, v_offset, capacity, qk_eps, scale,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
-            PREFETCH: tl.constexpr, PRELOAD: tl.constexpr, T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr,
-            HKV: tl.constexpr, D: tl.constexpr, M: tl.constexpr, PAGE: tl.constexpr, BLOCK_KEYS: tl.constexpr,
-            IEEE: tl.constexpr, PDL: tl.constexpr):
-        """`_linear_program` of the normed QKV projection's column block of program_id(0) (each block
-        within one head's columns), counted in at its KV head's arrival counter; the last of a KV head's
-        query, key and value blocks to arrive does that KV head's `_attention_group` for every row and
-        sets the counter back to 0."""
-        N: tl.constexpr = (HQ + 2 * HKV) * D
-        col0 = tl.program_id(0) * BLOCK_N
-        _linear_program(x_ptr, w_ptr, qkv_ptr, x_ptr, norm_w_ptr, B * T, N, K, eps, col0, BLOCK_M, BLOCK_N, BLOCK_K,
-                        DOT, IEEE, True, False, False, PDL, PREFETCH, PRELOAD)
-        kvh = tl.where(col0 < HQ * D, col0 // (G * D), (col0 - HQ * D) // D % HKV)
-        tl.debug_barrier()                                     # the program's threads have all written
-        arrived = tl.atomic_add(counter_ptr + kvh, 1, sem="acq_rel", scope="gpu")
-        if arrived == (G + 2) * D // BLOCK_N - 1:               # the last: the KV head's columns are written
-            tl.debug_barrier()
-            tl.store(counter_ptr + kvh, 0)
-            for b in range(B):
-                _attention_group(qkv_ptr + b * T * N, out_ptr + b * T * HQ * D, anchor_ptr + k_offset + kvh * D,
-                                 anchor_ptr + v_offset + kvh * D, table_ptr + b * stride_table, tl.load(start_ptr + b),
-                                 q_w_ptr, k_w_ptr, inv_freq_ptr, N, HQ * D, capacity, qk_eps, scale, kvh,
-                                 T, G, HQ, HKV, D, M, PAGE, BLOCK_KEYS, IEEE)
-
-
-# `qkv_attention`'s one kernel: over caches of at most this many positions a row (the code predictor's
-# 16), where a KV head's attention is a short tail for one program, which does it for every row in
-# turn: at most QKV_ATTENTION_MAX_ROWS of them. Opt-in (QWEN3_TTS_QKV_ATTENTION=1) until it has been
-# checked and timed on a GPU (bench/README.md, fifteenth session).
-QKV_ATTENTION = os.environ.get("QWEN3_TTS_QKV_ATTENTION", "0") == "1"
-QKV_ATTENTION_MAX_KEYS = 64
-QKV_ATTENTION_MAX_ROWS = 2
-_qkv_attention_choice: dict = {}       # timing key -> the one kernel's config, or None: the two kernels
-
-
-def qkv_attention_configs(rows: int, k: int, head_dim: int) -> list[dict]:
-    """`linear_configs` whose column blocks lie within one head: those `qkv_attention`'s one kernel takes."""
-    return [c for c in linear_configs(rows, k) if head_dim % c["BLOCK_N"] == 0]
-
-
-def qkv_attention(h: torch.Tensor, qkv_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, heads: int,
-                  kv_heads: int, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor, qk_eps: float,
-                  inv_freq: torch.Tensor, cache, layer: int, start: torch.Tensor, kmax: int | None = None,
-                  config: dict | None = None) -> torch.Tensor:
-    """`decode_attention`(`linear`(h, qkv_weight, norm_weight, eps), ...) -> [B, T, heads * head_dim]
-    for h [B, T, hidden]. Over a short cache (the code predictor's) at a few rows, one kernel may do
-    both (`_qkv_attention_kernel`): the program that finishes a KV head's projection last attends for
-    it, a link fewer in a decode step's chain of dependent kernels. Taken where its fastest config
-    times faster than the two kernels' fastest together, each timed as `linear` and `decode_attention`
-    time them. config: one of `qkv_attention_configs` (the one kernel), or None (as timed; off the
-    GPU, or with no timing yet, the two kernels)."""
-    b, t, k = h.shape
-    head_dim = cache.head_dim
-    width = (heads + 2 * kv_heads) * head_dim
-    rows = b * t
-
-    def separate():
-        qkv = linear(h, qkv_weight, norm_weight, eps)
-        return decode_attention(qkv, heads, kv_heads, q_norm_weight, k_norm_weight, qk_eps, inv_freq, cache, layer,
-                                start, kmax=kmax)
-
-    short = b <= QKV_ATTENTION_MAX_ROWS and cache.capacity <= QKV_ATTENTION_MAX_KEYS
-    if config is None and not (QKV_ATTENTION and short):
-        return separate()
-    if qkv_weight.shape != (width, k) or kv_heads != cache.kv_heads or not decode_attention_supports(head_dim):
-        raise ValueError(f"qkv_attention: unsupported shapes h {tuple(h.shape)}, weight {tuple(qkv_weight.shape)}, "
-                         f"cache of {cache.kv_heads} x {head_dim}")
-    x = h.reshape(rows, k).contiguous()
-    out = torch.empty(b, t, heads * head_dim, dtype=h.dtype, device=h.device)
-    counters = _arrival_counters(h.device, "qkv attention", kv_heads)
-
-    def launch(c, compile_only=False, weight=qkv_weight, cache=cache, layer=layer, start=start):
-        dot, preload = c["kernel"] == "dot", c.get("PRELOAD", False)
-        k_offset, v_offset = cache.layer_offsets(layer)
-        qkv = torch.empty(b, t, width, dtype=h.dtype, device=h.device)
-        _launch(_qkv_attention_kernel, (width // c["BLOCK_N"],),
-                (x, weight, norm_weight, qkv, out, counters, cache.anchor, cache.table, start, q_norm_weight,
-                 k_norm_weight, inv_freq, b, k, eps, cache.table.stride(0), k_offset, v_offset, cache.capacity,
-                 qk_eps, head_dim ** -0.5),
-                dict(BLOCK_M=16 if dot else GEMV_ROWS, BLOCK_N=c["BLOCK_N"],
-                     BLOCK_K=triton.next_power_of_2(k) if preload else c["BLOCK_K"], DOT=dot, PRELOAD=preload,
-                     T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim,
-                     M=_query_rows(t, heads, kv_heads), PAGE=cache.page_size, BLOCK_KEYS=_key_block(cache, 64),
-                     IEEE=h.dtype == torch.float32, num_warps=c["num_warps"], num_stages=c["num_stages"],
-                     **_pdl(h, prefetch=LINEAR_PREFETCH and not preload)), compile_only)
-
-    if config is None:
-        key = ("qkv_attention", rows, t, width, k, h.dtype, cache.capacity, cache.page_size)
-        if key not in _qkv_attention_choice:
-            result = separate()     # this call's output, and the two kernels' timings to compare with
-            if not (h.is_cuda and torch.cuda.is_current_stream_capturing()):
-                _qkv_attention_choice[key] = _time_qkv_attention(key, h, qkv_weight, heads, kv_heads, cache, start,
-                                                                 kmax, launch)
-            return result
-        config = _qkv_attention_choice[key]
-        if config is None:
-            return separate()
-    launch(config)
-    return out
-
-
-def _time_qkv_attention(key, h, qkv_weight, heads, kv_heads, cache, start, kmax, launch) -> dict | None:
-    """`qkv_attention`'s choice for `key`: its one kernel's fastest config (timed as a graph replays it
-    over copies of the weights and scratch cache layers, as `linear` and `decode_attention` are), or
-    None where `linear` and `decode_attention`'s fastest (timed as they first ran) are faster together,
-    and off the GPU."""
-    if not h.is_cuda:
-        return None
-    b, t, k = h.shape
-    width = qkv_weight.shape[0]
-    linear_ms = _fastest_time.get(linear_timing_key(b * t, width, k, h.dtype, True, False, False))
-    attention_ms = _fastest_time.get(attention_timing_key(b, t, heads, kv_heads, h.dtype, cache, kmax))
-    if linear_ms is None or attention_ms is None:
-        return None
-    copies = copies_beyond_l2(qkv_weight.numel() * qkv_weight.element_size(), h.device)
-    scratch, scratch_start = _timing_cache(cache, copies, b, t, start, _timing_keys(cache, kmax))
-    weights = [qkv_weight] + [qkv_weight.clone() for _ in range(copies - 1)]
-    launches = [functools.partial(launch, weight=w, cache=scratch, layer=i, start=scratch_start)
-                for i, w in enumerate(weights)]
-    configs = qkv_attention_configs(b * t, k, cache.head_dim)
-    _compile_candidates(configs, launches[0])
-    times = [_time(lambda c: _graph_time(launches, c), c) for c in configs]
-    fastest = _fastest_time[key] = min(times)
-    _fastest_config[key] = configs[times.index(fastest)]
-    log.info("qkv_attention %s: one kernel %.2f us, linear + decode_attention %.2f us", key, 1000 * fastest,
-             1000 * (linear_ms + attention_ms))
-    return _fastest_config[key] if fastest < linear_ms + attention_ms else None
-
-
-if triton is not None:
-    @triton.jit
     def _kv_write_kernel(k_ptr, v_ptr, anchor_ptr, table_ptr, start_ptr, rows_ptr, stride_kb, stride_kt,
                          stride_vb, stride_vt, stride_table, k_offset, v_offset, capacity,
                          PAGE: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr):
@@ -1596,26 +1448,15 @@ if triton is not None:
                             seen_ptr, penalty_ptr, min_new_ptr, table_ptr, embed_ptr, codebook, V, stride_logits,
                             stride_seen, eos, suppress_from, D, stride_embed, BLOCK: tl.constexpr,
                             RADIX_BITS: tl.constexpr, PROCESS: tl.constexpr, EMBED: tl.constexpr,
-                            BLOCK_D: tl.constexpr, BITS: tl.constexpr, SETTLED: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_D: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
         """`sample_rows` of row program_id(0). The top-k threshold is found on the logits before the
         temperature divides them (division by a positive temperature keeps their order, so the k-th
         largest quotient is the quotient of the k-th largest): on bf16 logits, from their 16 bits
-        instead of the quotients' 32. `SETTLED`: the row's settings are read and its noise hashed
-        before the wait, in the shadow of the kernel before (see `sample_rows`)."""
-        if not SETTLED:
-            _dependent_launch_start(PDL)
+        instead of the quotients' 32."""
+        _dependent_launch_start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < V
-        greedy = tl.load(greedy_ptr + row) != 0
-        noise = tl.zeros([BLOCK], tl.float64)
-        if not greedy:
-            noise = _gumbel_noise(tl.load(seed_ptr + row), tl.load(frame_ptr + row), codebook, cols)
-        temperature = tl.load(temperature_ptr + row)
-        k = tl.load(top_k_ptr + row)
-        k = tl.where(k > 0, tl.minimum(k, V), V).to(tl.int32)
-        if SETTLED:
-            _dependent_launch_start(PDL)
         logits = tl.load(logits_ptr + row * stride_logits + cols, mask=mask, other=float("-inf")).to(tl.float32)
         if PROCESS:     # `sampling.TalkerLogitsProcessor` first; the row's frame is its tokens generated so far
             seen = tl.load(seen_ptr + row * stride_seen + cols, mask=mask, other=0) != 0
@@ -1623,12 +1464,16 @@ if triton is not None:
             logits = tl.where(seen, tl.where(logits < 0, logits * penalty, tl.div_rn(logits, penalty)), logits)
             eos_blocked = tl.load(frame_ptr + row) < tl.load(min_new_ptr + row)
             logits = tl.where(tl.where(cols == eos, eos_blocked, cols >= suppress_from), float("-inf"), logits)
-        if greedy:
+        if tl.load(greedy_ptr + row) != 0:
             pick = tl.argmax(logits, 0)
         else:
+            temperature = tl.load(temperature_ptr + row)
             warped = tl.div_rn(logits, temperature)     # IEEE division, as torch
+            k = tl.load(top_k_ptr + row)
+            k = tl.where(k > 0, tl.minimum(k, V), V).to(tl.int32)
             threshold = tl.div_rn(_kth_largest(logits, k, RADIX_BITS, BITS), temperature)
             warped = tl.where(warped < threshold, float("-inf"), warped)
+            noise = _gumbel_noise(tl.load(seed_ptr + row), tl.load(frame_ptr + row), codebook, cols)
             pick = tl.argmax(warped.to(tl.float64) + noise, 0)
         tl.store(out_ptr + row, pick.to(tl.int64))
         if EMBED:       # the pick's embedding: the next code-predictor step's input
@@ -1654,8 +1499,7 @@ class TalkerProcessing(NamedTuple):
 
 def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                 seed: torch.Tensor, frame: torch.Tensor, codebook: int, config: dict | None = None,
-                processing: TalkerProcessing | None = None, embed: tuple | None = None,
-                settled: bool = False) -> torch.Tensor:
+                processing: TalkerProcessing | None = None, embed: tuple | None = None) -> torch.Tensor:
     """`engine.sampling.sample` without top-p in one kernel: ids [B] of logits [B, V] (fp32, or bf16
     made fp32 as it is loaded: no cast kernel before it), after the talker's logits processor where
     `processing` is given (the ~10 elementwise kernels it was). The Gumbel noise of (seed, frame,
@@ -1663,9 +1507,7 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.T
     codebook, it cost 8-12% of a decode step on an H200 (bench/README.md). embed = (table [V', D], out
     [B, D]): each row's pick's table row is written to out as well (a code-predictor step's next input,
     without a lookup kernel of its own). config: one of SAMPLE_CONFIGS; by default the fastest for these
-    shapes, timed once on the GPU. settled: greedy, temperature, top_k, seed and frame were written two
-    or more kernels back (as in a decode step), so the kernel may read them and hash its noise before it
-    waits for the logits (see the module docstring)."""
+    shapes, timed once on the GPU."""
     b, v = logits.shape
     logits = logits.contiguous()
     out = torch.empty(b, dtype=torch.long, device=logits.device)
@@ -1682,12 +1524,11 @@ def sample_rows(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.T
                  rows.stride(0)),
                 dict(BLOCK=triton.next_power_of_2(v), RADIX_BITS=c["RADIX_BITS"], PROCESS=processing is not None,
                      EMBED=embed is not None, BLOCK_D=triton.next_power_of_2(table.shape[1]) if embed else 1,
-                     BITS=16 if logits.dtype == torch.bfloat16 and processing is None else 32, SETTLED=settled,
+                     BITS=16 if logits.dtype == torch.bfloat16 and processing is None else 32,
                      num_warps=c["num_warps"], **_pdl(logits)), compile_only)
     # timed per power-of-two class of rows: one row is latency-bound, 256 fill the GPU (the graphs'
     # batch buckets meet every class at warm-up, before any eager call can)
-    key = ("sample_rows", v, b.bit_length(), settled) + (("processed",) if processing else ()) + \
-        (("embed",) if embed else ())
+    key = ("sample_rows", v, b.bit_length()) + (("processed",) if processing else ()) + (("embed",) if embed else ())
     launch(config or _fastest(key, SAMPLE_CONFIGS, launch))
     return out
 

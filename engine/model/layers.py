@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import kernels
-from .kernels import linear, qk_norm_rope, qkv_attention, rms_norm
+from .kernels import decode_attention, linear, qk_norm_rope, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -175,11 +175,11 @@ class Attention(nn.Module):
     def decode(self, h, norm: RMSNorm, cache, layer: int, start, inv_freq, kmax=None, own_h: bool = False):
         """h + self(norm(h)) for the decode pattern (rows = slots 0..B-1, a few new positions each): the
         norm in the QKV GEMM, the attention core in one kernel (`kernels.decode_attention`, its launch
-        config timed for rows of up to kmax keys; over a short cache the GEMM and it may be one kernel,
-        `kernels.qkv_attention`), the residual add in the output GEMM (into h itself where `own_h`: h
-        is the stack's own buffer, read by no one after). Needs `fuse`."""
-        out = qkv_attention(h, self.qkv_weight, norm.weight, norm.eps, self.heads, self.kv_heads, self.q_norm.weight,
-                            self.k_norm.weight, self.q_norm.eps, inv_freq, cache, layer, start, kmax=kmax)
+        config timed for rows of up to kmax keys), the residual add in the output GEMM (into h itself
+        where `own_h`: h is the stack's own buffer, read by no one after). Needs `fuse`."""
+        qkv = linear(h, self.qkv_weight, norm.weight, norm.eps)
+        out = decode_attention(qkv, self.heads, self.kv_heads, self.q_norm.weight, self.k_norm.weight,
+                               self.q_norm.eps, inv_freq, cache, layer, start, kmax=kmax)
         return linear(out, self.o_proj.weight, residual=h, in_place=own_h)
 
 
@@ -267,10 +267,9 @@ class DecoderStack(nn.Module):
 
     def _decode(self, x, cache, start, kmax=None):
         """The layers of `forward` for decode steps (rows = slots 0..B-1, T <= 2): the same math in 5
-        kernels a layer at up to 16 rows (4 where `kernels.qkv_attention` takes one kernel; 8 beyond
-        16), the norms, gate and residual adds folded into the GEMMs and the attention core in one
-        kernel. Attention reads each row's live keys: kmax only says what length its launch config is
-        timed for."""
+        kernels a layer at up to 16 rows (8 beyond), the norms, gate and residual adds folded into the
+        GEMMs and the attention core in one kernel. Attention reads each row's live keys: kmax only
+        says what length its launch config is timed for."""
         for i, layer in enumerate(self.layers):
             x = layer.decode(x, cache, i, start, self.inv_freq, kmax, own_h=i > 0)   # x: the caller's, then ours
         return x
