@@ -79,7 +79,7 @@ def attention_config_name(c: dict) -> str:
 
 def attention_configs(model, runner, batch: int, reps: int) -> dict:
     """Microseconds of one talker layer's `decode_attention` per launch config on the GPU, on the
-    runner's cache (the kernel picks its config on a scratch cache of kernels.ATTENTION_TIMING_KEYS
+    runner's cache (the kernel picks its config on a scratch cache of kernels.attention.ATTENTION_TIMING_KEYS
     keys a row)."""
     attn = model.talker.model.layers[0].self_attn
     width = (attn.heads + 2 * attn.kv_heads) * attn.head_dim
@@ -135,7 +135,7 @@ def breakdown(model, batch: int, prompt: int, reps: int, windows: list[int]) -> 
         runner.h[:batch], runner.c0[:batch], lambda lg, g, e: sample_subtalker(lg, g, frame, params, embed=e), runner.cp_cache), reps)
     logits = torch.randn(batch, model.config.talker.vocab_size, device=dev)
     out["sample_ms"] = timed(lambda: sample_talker(runner.processor, logits, runner.seen[:batch], frame, params), reps)
-    picked = [c for k, c in kernels._fastest_config.items() if k[0] == "attention" and k[1] == batch]
+    picked = [c for k, c in kernels.launch.fastest_configs.items() if k[0] == "attention" and k[1] == batch]
     out["attention_picked"] = [attention_config_name(c) for c in picked]
     out["attention_us"] = attention_configs(model, runner, batch, reps)
     streams = VocoderStreams(model.vocoder, batch)
@@ -161,7 +161,7 @@ def main() -> None:
                     help="rows up to which the fused decode path's GEMMs use the skinny kernel (0: cuBLAS)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    kernels.SKINNY_ROWS = args.skinny_rows
+    kernels.gemm.SKINNY_ROWS = args.skinny_rows
     model = load_model(args.model_dir, device="cuda", dtype=getattr(torch, args.dtype))
     for b in (int(x) for x in args.batches.split(",")):
         row = {"peer": "qwen3-tts-server", "kind": "breakdown", "dtype": args.dtype, "skinny_rows": args.skinny_rows,

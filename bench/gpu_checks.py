@@ -11,7 +11,7 @@
 - a greedy turn before and after the KV cache's pages were handed back and taken again elsewhere;
 - the sampling kernel (Gumbel noise hashed in the kernel) against the plain ops' draws;
 - a sampled scheduler turn with the decode kernels launched as programmatic dependents against the
-  same turn launched plainly (`kernels.PDL`): the same kernels, so the same codes, bit for bit;
+  same turn launched plainly (`kernels.launch.PDL`): the same kernels, so the same codes, bit for bit;
 - the attention with a row's keys split over programs against the one-program kernel.
 Each check prints a RESULT row with its errors and `ok`; the exit status is 1 if any is not ok.
 
@@ -120,7 +120,7 @@ def vocoder_channels_last_vs_first(model) -> dict:
 
 def scheduler_graphs_vs_eager(model) -> dict:
     """A greedy scheduler turn with every graph on against the same turn with none: codes equal, PCM
-    within bf16 rounding. The attention's launch configs are timed per kv length (`kernels._timing_keys`)
+    within bf16 rounding. The attention's launch configs are timed per kv length (`kernels.attention._timing_keys`)
     and the graphs' kv buckets are not the eager path's (`engine.graphs` against `runner.kv_bucket`), so
     the two may pick configs that sum in other orders, and a greedy turn on random weights then drifts
     (call CB: from frame 12, in every tree back to 7a371ea, with or without split attention). Here
@@ -241,12 +241,12 @@ def _turns_either_way(model, module, name: str, values: tuple, max_batch: int, t
 
 
 def dependent_launch_vs_plain(model) -> dict:
-    """A seeded, sampled turn through the scheduler's graphs with `kernels.PDL` on and off. A kernel
+    """A seeded, sampled turn through the scheduler's graphs with `kernels.launch.PDL` on and off. A kernel
     that read its predecessor's output before waiting for it would show as different codes. (The
     vocoder launches plainly either way; its graphs may take other cuDNN algorithms: not bit for bit.)"""
-    from engine.model import kernels
+    from engine.model.kernels import launch
     equal, pcm_diff, frames = _turns_either_way(
-        model, kernels, "PDL", (True, False), 4, [("Kernels launched while the one before still runs.", 40, 7)], 2)
+        model, launch, "PDL", (True, False), 4, [("Kernels launched while the one before still runs.", 40, 7)], 2)
     return dict(check="dependent_launch_vs_plain", frames=frames, codes_equal=equal,
                 pcm_max_abs_diff=round(pcm_diff, 5), ok=equal and pcm_diff < 0.05)
 
@@ -295,7 +295,7 @@ def split_attention_vs_one_program(model) -> dict:
             worst = max(worst, e)
             kv_equal &= torch.equal(written, expected_kv)
             rows.append(f"{b} rows, split {config['SPLIT']}, {config['BLOCK_K']} keys a block: {e:.1e}")
-        counters.append(int(kernels._arrival_counters(qkv.device, "split attention, 1 positions", b * attn.kv_heads).sum()))
+        counters.append(int(kernels.attention._arrival_counters(qkv.device, "split attention, 1 positions", b * attn.kv_heads).sum()))
     return dict(check="split_attention_vs_one_program", rel_rms=rows, worst_rel_rms=worst, kv_equal=kv_equal,
                 counters_after=counters, ok=worst < 0.01 and kv_equal and counters == [0, 0])
 

@@ -37,7 +37,7 @@ def main() -> None:
             seed, frame = torch.arange(b, device=dev), torch.zeros(b, dtype=torch.long, device=dev)
             sample = lambda c=None: kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, 3, c)  # noqa: E731
             sample()
-            picked = kernels._fastest_config[("sample_rows", vocab, b.bit_length())]
+            picked = kernels.launch.fastest_configs[("sample_rows", vocab, b.bit_length())]
             us = {}
             for c in kernels.SAMPLE_CONFIGS:
                 us[config_name(c)] = round(1000 * timed_in_graph(lambda: sample(c), args.reps), 2)

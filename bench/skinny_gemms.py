@@ -52,7 +52,7 @@ class Gemm:
 
     def picked(self, rows) -> dict:
         kernels.linear(self.x, self.weights[0], self.nw, 1e-6, self.gated, self.r)
-        return kernels._fastest_config[kernels.linear_timing_key(rows, self.n, self.k, self.x.dtype, self.norm,
+        return kernels.launch.fastest_configs[kernels.linear_timing_key(rows, self.n, self.k, self.x.dtype, self.norm,
                                                                   self.gated, self.residual)]
 
 
@@ -83,7 +83,7 @@ def main() -> None:
                  Gemm("down", d, args.intermediate, False, False, True, rows, args.copies, extra)]
         picks, best = {}, {}
         for g in gemms:        # every variant compiled side by side first, as `linear`'s own timing does
-            kernels._compile_candidates(g.configs, lambda c, compile_only=False, g=g: kernels.skinny_linear(
+            kernels.launch.compile_candidates(g.configs, lambda c, compile_only=False, g=g: kernels.skinny_linear(
                 g.x, g.weights[0], g.out, c, g.nw, 1e-6, g.gated, g.r, compile_only))
         for g in gemms:
             times = g.times
@@ -124,12 +124,12 @@ def main() -> None:
         streamed = {g.name: min((c for c in g.configs if not c.get("PRELOAD")), key=lambda c: g.times[name_of(c)])
                     for g in gemms}
         rows_out["best_alone_streamed"] = chain(streamed)
-        saved = kernels.PDL, kernels.LINEAR_PREFETCH
-        kernels.LINEAR_PREFETCH = not saved[1]
-        rows_out["picked_prefetch" if kernels.LINEAR_PREFETCH else "picked_no_prefetch"] = chain(picks)
-        kernels.PDL = False
+        saved = kernels.launch.PDL, kernels.gemm.LINEAR_PREFETCH
+        kernels.gemm.LINEAR_PREFETCH = not saved[1]
+        rows_out["picked_prefetch" if kernels.gemm.LINEAR_PREFETCH else "picked_no_prefetch"] = chain(picks)
+        kernels.launch.PDL = False
         rows_out["picked_no_pdl"] = chain(picks)
-        kernels.PDL, kernels.LINEAR_PREFETCH = saved
+        kernels.launch.PDL, kernels.gemm.LINEAR_PREFETCH = saved
         # each GEMM's configs in the chain, the others at their picks
         in_chain = {}
         for g in gemms:

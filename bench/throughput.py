@@ -106,9 +106,9 @@ def main() -> None:
         emit({"peer": "qwen3-tts-server", "tag": args.tag, "vocoder_batch": args.vocoder_batch, **row}, args.out)
 
     # what a server's start costs: graph captures, and on a fresh machine Triton's compiles
-    emit_row(dict(kind="warmup", graphs=graphs, seconds=round(warmup_s, 1), triton_compiles=kernels.compiles,
-                  picked={" ".join(map(str, key)): config for key, config in kernels._fastest_config.items()},
-                  picked_us={" ".join(map(str, key)): round(1000 * ms, 2) for key, ms in kernels._fastest_time.items()}))
+    emit_row(dict(kind="warmup", graphs=graphs, seconds=round(warmup_s, 1), triton_compiles=kernels.launch.compiles,
+                  picked={" ".join(map(str, key)): config for key, config in kernels.launch.fastest_configs.items()},
+                  picked_us={" ".join(map(str, key)): round(1000 * ms, 2) for key, ms in kernels.launch.fastest_times.items()}))
 
     def emit_memory(when: str) -> None:
         """GPU memory with no session running: PyTorch's tensors, its allocator's total, the talker

@@ -67,7 +67,7 @@ from .requests import AudioChunk, SpeechRequest, TurnResult
 from .kv_cache import CacheFull
 from .model import kernels
 from .runner import EOS, RUNNING, LaunchedStep, ModelRunner
-from .streaming import StreamingVocoder, WindowAudio, WindowPolicy, release_cached_memory
+from .streaming import StreamingVocoder, WindowPolicy, release_cached_memory
 
 log = logging.getLogger(__name__)
 
@@ -508,7 +508,7 @@ class Scheduler:
 
     def _iterate(self) -> None:
         t0 = time.perf_counter()
-        waiting, compiles, steps = len(self._waiting), kernels.compiles, self._steps
+        waiting, compiles, steps = len(self._waiting), kernels.launch.compiles, self._steps
         ms: dict[str, float] = {}
 
         def phase(name, fn, *args):
@@ -552,7 +552,7 @@ class Scheduler:
                         " %d Triton kernels compiled)", dt * 1000,
                         ", ".join(f"{name} {t:.0f}" for name, t in ms.items()) + " ms",
                         waiting - len(self._waiting), prefilling, int((self._phase == DECODE).sum()),
-                        kernels.compiles - compiles)
+                        kernels.launch.compiles - compiles)
         if self._steps != steps:
             self._step_s += STEP_TIME_SMOOTHING * (dt - self._step_s)
             with self._lock:

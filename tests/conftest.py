@@ -12,7 +12,7 @@ GOLDEN = Path(os.environ.get("QWEN3_TTS_GOLDEN", Path(__file__).resolve().parent
 # Tiny-model ops are far slower with several intra-op threads on a loaded 2-core machine.
 torch.set_num_threads(1)
 
-# Without a GPU, the Triton kernels of engine/model/kernels.py run in Triton's interpreter (numpy on
+# Without a GPU, the Triton kernels of engine/model/kernels/ run in Triton's interpreter (numpy on
 # the CPU); this must be set before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

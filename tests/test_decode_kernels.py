@@ -1,4 +1,4 @@
-"""The fused decode path (engine/model/kernels.py) computes what the plain ops compute.
+"""The fused decode path (engine/model/kernels/) computes what the plain ops compute.
 
 The kernels run in Triton's interpreter on the CPU here (tests/triton_cpu.py), in fp32, where the
 fused and plain paths agree to rounding; on the GPU `bench/precision.py` compares them in bf16.
@@ -8,10 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.config import TransformerConfig
 from engine.kv_cache import KVCache
 from engine.loader import load_model
-from engine.model.layers import Attention, DecoderStack, RMSNorm, causal_mask, rope_cos_sin, rope_inv_freq
+from engine.model.layers import Attention, RMSNorm, causal_mask, rope_cos_sin, rope_inv_freq
 from engine.requests import SamplingParams
 from engine.runner import ModelRunner
 from engine.synth import synthesize
@@ -106,7 +105,9 @@ def test_split_attention_matches_the_one_program_attention(kernels, t):
         torch.testing.assert_close(got[:2], expected[:2], atol=1e-5, rtol=0, msg=str(config))
         for a, e in zip(caches[1].read(0, b, cap), caches[0].read(0, b, cap)):
             torch.testing.assert_close(a, e, atol=1e-6, rtol=0)
-        assert not kernels._arrival_counters(torch.device("cpu"), f"split attention, {t} positions", b * kv_heads).any()
+        counters = kernels.attention._arrival_counters(torch.device("cpu"), f"split attention, {t} positions",
+                                                       b * kv_heads)
+        assert not counters.any()
 
 
 
@@ -143,9 +144,9 @@ def test_short_attention_is_offered_for_short_caches_only(kernels, monkeypatch):
     predictor = KVCache(1, 4, 16, 8, 128, torch.float32, "cpu", page_size=16, reserve_all=True)
     talker = KVCache(1, 1, 512, 8, 128, torch.float32, "cpu", page_size=64, reserve_all=True)
     short = [c for c in kernels.attention_configs(predictor) if "KVH" in c]
-    assert short == kernels.SHORT_ATTENTION_CONFIGS
+    assert short == kernels.attention.SHORT_ATTENTION_CONFIGS
     assert kernels.attention_configs(talker) == kernels.ATTENTION_CONFIGS
-    monkeypatch.setattr(kernels, "SHORT_ATTENTION", False)
+    monkeypatch.setattr(kernels.attention, "SHORT_ATTENTION", False)
     assert kernels.attention_configs(predictor) == kernels.ATTENTION_CONFIGS
 
 
@@ -174,11 +175,11 @@ def test_fused_decode_reproduces_golden_codes_through_the_short_attention(fused_
                                                                          kernels, monkeypatch):
     """The same with the code predictor's attention in `_short_attention_kernel` (the GPU's timing may
     pick it; off the GPU the first config, one program a KV head, runs)."""
-    fastest = kernels._fastest
+    fastest = kernels.launch.fastest
 
     def short_first(key, configs, *args, **kwargs):
         return next((c for c in configs if "KVH" in c), None) or fastest(key, configs, *args, **kwargs)
-    monkeypatch.setattr(kernels, "_fastest", short_first)
+    monkeypatch.setattr(kernels.attention, "fastest", short_first)
     z = golden_npz("batch3_icl")
     results = synthesize(fused_model, golden_requests(fused_model, golden_cases["batch3_icl"], z, max_frames=8))
     for i, res in enumerate(results):
@@ -409,8 +410,9 @@ def test_skinny_linear_matches_the_separate_ops(kernels, rows, epilogue):
 def test_off_the_gpu_linear_runs_one_program_for_all_columns(kernels, monkeypatch):
     """Triton's interpreter runs a grid's programs one after another (~16 ms each): off the GPU `linear`
     takes a config whose one program covers the 2,048 columns of a code-predictor head."""
-    grids, launch = [], kernels._launch
-    monkeypatch.setattr(kernels, "_launch", lambda kernel, grid, *args: (grids.append(grid), launch(kernel, grid, *args)))
+    grids, launch = [], kernels.launch.launch_kernel
+    monkeypatch.setattr(kernels.gemm, "launch_kernel",
+                        lambda kernel, grid, *args: (grids.append(grid), launch(kernel, grid, *args)))
     for rows in (1, 3):
         x, w = torch.randn(rows, 32), torch.randn(2048, 32)
         torch.testing.assert_close(kernels.linear(x, w), x @ w.T, atol=1e-4, rtol=1e-4)
@@ -424,7 +426,7 @@ def test_a_config_that_does_not_build_is_passed_over(kernels, monkeypatch, caplo
     import triton
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(kernels, "PARALLEL_COMPILE", False)
+    monkeypatch.setattr(kernels.launch, "PARALLEL_COMPILE", False)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn())
     failures = {1: triton.runtime.errors.OutOfResources(1, 0, "shared memory"),
                 2: triton.compiler.errors.CompilationError(None, None, "arange's end must exceed its start"),
@@ -435,20 +437,21 @@ def test_a_config_that_does_not_build_is_passed_over(kernels, monkeypatch, caplo
             raise failures[c["n"]]
         return {4: 2.0, 5: 1.0}[c["n"]]
     with caplog.at_level("WARNING"):
-        best = kernels._fastest(("a test key",), [{"n": n} for n in range(1, 6)], launch)
+        best = kernels.launch.fastest(("a test key",), [{"n": n} for n in range(1, 6)], launch)
     assert best == {"n": 5}
     assert sum("does not build" in r.message for r in caplog.records) == 3
 
 
 @pytest.fixture
 def timed_on_copies(kernels, monkeypatch):
-    """`_fastest` as on a GPU, with its CUDA-graph timing replaced by one that runs each launch over
+    """`launch.fastest` as on a GPU, with its CUDA-graph timing replaced by one that runs each launch over
     the copies once and records them; the configs' times come from `times` (config index -> ms)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(kernels, "PARALLEL_COMPILE", False)
-    monkeypatch.setattr(kernels, "_fastest_config", {})
-    monkeypatch.setattr(kernels, "copies_beyond_l2", lambda nbytes, device, most=64: 3)
+    monkeypatch.setattr(kernels.launch, "PARALLEL_COMPILE", False)
+    monkeypatch.setattr(kernels.launch, "fastest_configs", {})
+    for module in (kernels.gemm, kernels.attention):
+        monkeypatch.setattr(module, "copies_beyond_l2", lambda nbytes, device, most=64: 3)
     seen = {"launches": [], "times": {}}
 
     def graph_time(launches, config):
@@ -456,7 +459,7 @@ def timed_on_copies(kernels, monkeypatch):
             launch(config)
         seen["launches"].append(launches)
         return seen["times"].get(len(seen["launches"]) - 1, 10.0)
-    monkeypatch.setattr(kernels, "_graph_time", graph_time)
+    monkeypatch.setattr(kernels.launch, "graph_time", graph_time)
     return seen
 
 
@@ -474,7 +477,7 @@ def test_linear_times_its_configs_on_copies_of_its_weights(kernels, timed_on_cop
     copies = [f.keywords["weight"] for f in timed_on_copies["launches"][0][1:]]
     assert len(copies) == 2 and all(torch.equal(c, w) and c.data_ptr() != w.data_ptr() for c in copies)
     key = kernels.linear_timing_key(1, 100, 96, x.dtype, True, True, False)
-    assert kernels._fastest_config[key] == configs[2]
+    assert kernels.launch.fastest_configs[key] == configs[2]
 
 
 def test_attention_is_timed_for_the_calls_longest_rows(kernels, timed_on_copies, monkeypatch):
@@ -483,8 +486,10 @@ def test_attention_is_timed_for_the_calls_longest_rows(kernels, timed_on_copies,
     ATTENTION_TIMING_MAX_KEYS and the capacity: the decode graphs' one bucket is the capacity), each
     length on its own: a row's keys split over programs pay only for long rows. (Two of the configs,
     one split: in the interpreter all of them took 100 s.)"""
-    monkeypatch.setattr(kernels, "ATTENTION_CONFIGS", [kernels.ATTENTION_CONFIGS[0], kernels.ATTENTION_CONFIGS[-1]])
-    assert kernels.ATTENTION_CONFIGS[-1]["SPLIT"] > 1
+    attention = kernels.attention
+    configs = attention.ATTENTION_CONFIGS
+    monkeypatch.setattr(attention, "ATTENTION_CONFIGS", [configs[0], configs[-1]])
+    assert attention.ATTENTION_CONFIGS[-1]["SPLIT"] > 1
     for capacity, cases in ((300, ((None, 256), (64, 128), (200, 200), (1000, 300))), (8448, ((8448, 512),))):
         cache = KVCache(1, 1, capacity, 2, 32, torch.float32, "cpu", page_size=16, reserve_all=True,
                         separate_pages=True)
@@ -493,7 +498,7 @@ def test_attention_is_timed_for_the_calls_longest_rows(kernels, timed_on_copies,
             kernels.decode_attention(qkv, 4, 2, w, w, 1e-6, rope_inv_freq(32, 1e6), cache, 0, torch.tensor([3]),
                                      kmax=kmax)
             assert timed_on_copies["launches"][-1][0].keywords["cache"].capacity == keys
-    assert len(timed_on_copies["launches"]) == 5 * len(kernels.ATTENTION_CONFIGS)
+    assert len(timed_on_copies["launches"]) == 5 * len(attention.ATTENTION_CONFIGS)
 
 
 def test_attention_times_its_configs_on_scratch_layers(kernels, timed_on_copies):
@@ -519,7 +524,7 @@ def test_attention_times_its_configs_on_scratch_layers(kernels, timed_on_copies)
     assert [f.keywords["layer"] for f in launches] == [0, 1, 2]
     assert {c["PREFETCH"] for c in kernels.ATTENTION_CONFIGS} == {True, False}
     key = ("attention", b, 1, heads, kv_heads, head_dim, qkv.dtype, cache.capacity, cache.page_size, 40)
-    assert kernels._fastest_config[key] == kernels.ATTENTION_CONFIGS[-1]
+    assert kernels.launch.fastest_configs[key] == kernels.ATTENTION_CONFIGS[-1]
     after = cache.read(0, b, 40)      # the live rows changed only at the new positions
     for a, e in zip(after, before):
         e[0, 5], e[1, 17] = a[0, 5], a[1, 17]
@@ -527,23 +532,23 @@ def test_attention_times_its_configs_on_scratch_layers(kernels, timed_on_copies)
 
 
 def test_candidate_configs_compile_side_by_side(kernels, monkeypatch, caplog):
-    """`_fastest` first has every config it will time compiled at once: each launch asked only to
+    """`launch.fastest` first has every config it will time compiled at once: each launch asked only to
     compile, all inside one Triton async-compile context; where that fails it turns itself off and
     the configs compile at their first launch. (On the GPU a fresh machine's warm-up is mostly these
     compiles; tests/compile_kernels.py compiles the real kernels in threads.)"""
     from triton.runtime import _async_compile
-    monkeypatch.setattr(kernels, "PARALLEL_COMPILE", True)
+    monkeypatch.setattr(kernels.launch, "PARALLEL_COMPILE", True)
     seen = []
-    kernels._compile_candidates([{"a": 1}, {"a": 2}], lambda c, compile_only=False: seen.append(
+    kernels.launch.compile_candidates([{"a": 1}, {"a": 2}], lambda c, compile_only=False: seen.append(
         (c["a"], compile_only, _async_compile.active_mode.get() is not None)))
     assert seen == [(1, True, True), (2, True, True)]
     assert _async_compile.active_mode.get() is None
 
     def broken(c, compile_only=False):
         raise TypeError("no warmup here")
-    kernels._compile_candidates([{"a": 1}, {"a": 2}], broken)
-    assert kernels.PARALLEL_COMPILE is False and "parallel Triton compiles are off" in caplog.text
-    kernels._compile_candidates([{"a": 1}, {"a": 2}], lambda c, compile_only=False: seen.append(c))
+    kernels.launch.compile_candidates([{"a": 1}, {"a": 2}], broken)
+    assert kernels.launch.PARALLEL_COMPILE is False and "parallel Triton compiles are off" in caplog.text
+    kernels.launch.compile_candidates([{"a": 1}, {"a": 2}], lambda c, compile_only=False: seen.append(c))
     assert len(seen) == 2                      # off: nothing more is queued
 
 
@@ -562,6 +567,6 @@ def test_triton_compiles_are_counted(kernels):
     import triton
     hook = triton.knobs.runtime.jit_post_compile_hook
     assert hook is not None
-    before = kernels.compiles
+    before = kernels.launch.compiles
     hook(key=None, repr="k", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
-    assert kernels.compiles == before + 1
+    assert kernels.launch.compiles == before + 1

@@ -1,4 +1,4 @@
-"""The vocoder's Triton kernels (engine/model/kernels.py) compute what their PyTorch references do.
+"""The vocoder's Triton kernels (engine/model/kernels/) compute what their PyTorch references do.
 
 They run in Triton's interpreter on the CPU here (tests/triton_cpu.py); on the GPU the vocoder uses
 them in every residual unit, and `bench/precision.py` reports its waveform error against fp32.
