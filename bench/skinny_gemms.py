@@ -52,8 +52,8 @@ class Gemm:
 
     def picked(self, rows) -> dict:
         kernels.linear(self.x, self.weights[0], self.nw, 1e-6, self.gated, self.r)
-        return kernels.launch.fastest_configs[kernels.linear_timing_key(rows, self.n, self.k, self.x.dtype, self.norm,
-                                                                  self.gated, self.residual)]
+        key = kernels.linear_timing_key(rows, self.n, self.k, self.x.dtype, self.norm, self.gated, self.residual)
+        return kernels.launch.fastest_configs[key]
 
 
 def isolated_us(fn, copies, reps) -> float:

@@ -23,7 +23,7 @@ JOBS = []
 
 
 def build(fn, types: dict, constants: dict, **options) -> None:
-    if "PDL" in fn.arg_names:       # the decode-path kernels: compiled as the GPU launches them (kernels.launch.pdl_options)
+    if "PDL" in fn.arg_names:       # the decode-path kernels: compiled as the GPU launches them (launch.pdl_options)
         constants = dict(constants, PDL=True)
     if "PREFETCH" in fn.arg_names:  # ... with their L2 prefetch before the wait unless told (kernels.launch.PREFETCH)
         constants = dict(dict(PREFETCH=True), **constants)
@@ -65,17 +65,20 @@ def main() -> None:
                            PRELOAD_KV=c["PRELOAD_KV"]),
                       num_warps=c["num_warps"], num_stages=1)
         # the paged cache's reads and writes (prefill), talker shapes
-        build(k.attention._kv_write_kernel, dict(k_ptr=p, v_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64",
-                                       rows_ptr="*i64", stride_kb="i32", stride_kt="i32", stride_vb="i32",
-                                       stride_vt="i32", stride_table="i32", k_offset="i32", v_offset="i32",
-                                       capacity="i32"), dict(PAGE=64, HD=1024, BLOCK=1024))
-        build(k.attention._kv_read_kernel, dict(k_ptr=p, v_ptr=p, anchor_ptr=p, table_ptr="*i64", rows_ptr="*i64",
-                                      stride_b="i32", stride_table="i32", k_offset="i32", v_offset="i32"),
-                      dict(PAGE=64, HD=1024, BLOCK=1024))
+        build(k.attention._kv_write_kernel,
+              dict(k_ptr=p, v_ptr=p, anchor_ptr=p, table_ptr="*i64", start_ptr="*i64",
+                   rows_ptr="*i64", stride_kb="i32", stride_kt="i32", stride_vb="i32",
+                   stride_vt="i32", stride_table="i32", k_offset="i32", v_offset="i32",
+                   capacity="i32"), dict(PAGE=64, HD=1024, BLOCK=1024))
+        build(k.attention._kv_read_kernel,
+              dict(k_ptr=p, v_ptr=p, anchor_ptr=p, table_ptr="*i64", rows_ptr="*i64",
+                   stride_b="i32", stride_table="i32", k_offset="i32", v_offset="i32"),
+              dict(PAGE=64, HD=1024, BLOCK=1024))
         build(k.gemm._rms_norm_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, N="i32", eps="fp32"), dict(BLOCK=1024))
         for plus in (False, True):     # a reference's frames (prompt), a decode step's (with its text)
-            build(k.step._embedding_sum_kernel, dict(ids_ptr="*i64", anchor_ptr=p, offsets_ptr="*i64", plus_ptr=p,
-                                                y_ptr=p, N="i32"), dict(G=16, HAS_PLUS=plus, BLOCK=1024))
+            build(k.step._embedding_sum_kernel,
+                  dict(ids_ptr="*i64", anchor_ptr=p, offsets_ptr="*i64", plus_ptr=p,
+                       y_ptr=p, N="i32"), dict(G=16, HAS_PLUS=plus, BLOCK=1024))
         build(k.gemm._silu_mul_kernel, dict(x_ptr=p, y_ptr=p, N="i32"), dict(BLOCK=1024))
         # every config `linear` may time and pick for one row of each decode-layer GEMM of the 0.6B model
         # (its inputs, epilogue), in bf16 (the configs that stream their weights once: they are the same
@@ -105,10 +108,11 @@ def main() -> None:
             for bias in (False, True):
                 for left in (False, True):     # every config `snake_beta` may time and pick (bf16); the first in fp32
                     for c in k.SNAKE_CONFIGS[adjacent == "c"][:None if dtype == "bf16" else 1]:
-                        build(k.vocoder._snake_beta_kernel, dict(x_ptr=p, y_ptr=p, a_ptr=p, b_ptr=p, bias_ptr=p, left_ptr=p,
-                                                         C=i32, T=i32, L=i32, stride_xb=i32, stride_xc=i32,
-                                                         stride_xt=i32, stride_yb=i32, stride_yc=i32, stride_yt=i32,
-                                                         stride_left=i32),
+                        build(k.vocoder._snake_beta_kernel,
+                              dict(x_ptr=p, y_ptr=p, a_ptr=p, b_ptr=p, bias_ptr=p, left_ptr=p,
+                                   C=i32, T=i32, L=i32, stride_xb=i32, stride_xc=i32,
+                                   stride_xt=i32, stride_yb=i32, stride_yc=i32, stride_yt=i32,
+                                   stride_left=i32),
                               dict(HAS_BIAS=bias, HAS_LEFT=left, BLOCK_C=c["BLOCK_C"], BLOCK_T=c["BLOCK_T"], **unit),
                               num_warps=c["num_warps"])
             # every config `residual_tail` may time and pick (bf16); the first in fp32
@@ -122,28 +126,31 @@ def main() -> None:
                           dict(BLOCK_CO=c["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=c["BLOCK_T"], IEEE=dtype == "fp32",
                                HAS_X_BIAS=x_bias, **unit_out),
                           num_warps=c["num_warps"], num_stages=3)
-        build(k.attention._qk_norm_rope_kernel, dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
-                                           stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
+        build(k.attention._qk_norm_rope_kernel,
+              dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
+                   stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))
     # fp32 logits (the talker's, with its logits processor folded in or not) and bf16 (the code predictor's
     # head, its picks' embeddings written or not: its last step)
     for block, logits, process, embed in ((2048, "*fp32", False, False), (4096, "*fp32", False, False),
                                           (4096, "*fp32", True, False), (2048, "*bf16", False, False),
                                           (2048, "*bf16", False, True)):
         for config in k.SAMPLE_CONFIGS:
-            build(k.sampling._sample_rows_kernel, dict(logits_ptr=logits, out_ptr="*i64", greedy_ptr="*i1",
-                                              temperature_ptr="*fp32", top_k_ptr="*i64", seed_ptr="*i64",
-                                              frame_ptr="*i64", seen_ptr="*i1", penalty_ptr="*fp32",
-                                              min_new_ptr="*i64", table_ptr=logits, embed_ptr=logits, codebook="i32",
-                                              V="i32", stride_logits="i32", stride_seen="i32", eos="i32",
-                                              suppress_from="i32", D="i32", stride_embed="i32"),
+            build(k.sampling._sample_rows_kernel,
+                  dict(logits_ptr=logits, out_ptr="*i64", greedy_ptr="*i1",
+                       temperature_ptr="*fp32", top_k_ptr="*i64", seed_ptr="*i64",
+                       frame_ptr="*i64", seen_ptr="*i1", penalty_ptr="*fp32",
+                       min_new_ptr="*i64", table_ptr=logits, embed_ptr=logits, codebook="i32",
+                       V="i32", stride_logits="i32", stride_seen="i32", eos="i32",
+                       suppress_from="i32", D="i32", stride_embed="i32"),
                   dict(BLOCK=block, RADIX_BITS=config["RADIX_BITS"], PROCESS=process, EMBED=embed,
                        BLOCK_D=1024 if embed else 1, BITS=16 if logits == "*bf16" else 32), num_warps=config["num_warps"])
     for p in ("*bf16", "*fp32"):     # the end of a decode step: the talker's hidden state in the model's dtype
-        build(k.step._advance_rows_kernel, dict(act_ptr="*i1", new_c0_ptr="*i64", hidden_ptr=p, frames_ptr="*i64",
-                                           alive_ptr="*i1", h_ptr=p, c0_ptr="*i64", seen_ptr="*i1", generated_ptr="*i64",
-                                           length_ptr="*i64", limit_ptr="*i64", packed_ptr="*i64", D="i32",
-                                           stride_hidden="i32", stride_h="i32", stride_seen="i32", eos_id="i32",
-                                           capacity="i32"),
+        build(k.step._advance_rows_kernel,
+              dict(act_ptr="*i1", new_c0_ptr="*i64", hidden_ptr=p, frames_ptr="*i64",
+                   alive_ptr="*i1", h_ptr=p, c0_ptr="*i64", seen_ptr="*i1", generated_ptr="*i64",
+                   length_ptr="*i64", limit_ptr="*i64", packed_ptr="*i64", D="i32",
+                   stride_hidden="i32", stride_h="i32", stride_seen="i32", eos_id="i32",
+                   capacity="i32"),
               dict(CODES=16, BLOCK_CODES=16, BLOCK_D=1024, RUNNING=0, EOS=1, LIMIT=2))
     for job in JOBS:
         job.result()          # a compile error fails the run
