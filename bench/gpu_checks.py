@@ -5,8 +5,8 @@
 - vocoder windows of sizes that have no graph (decoded as a run of captured sizes) against one eager
   streaming decode of the same frames;
 - the vocoder's Triton kernels (SnakeBeta writing the next conv's context ahead of its output, a
-  residual unit's SnakeBeta + 1x1 conv + residual add) against the PyTorch ops they replace, on
-  streaming windows;
+  residual unit's SnakeBeta + 1x1 conv + residual add, the transformer's windowed attention with its
+  RoPE) against the PyTorch ops they replace, on streaming windows;
 - a scheduler turn with every graph on against the same turn with none (greedy codes, audio);
 - a greedy turn before and after the KV cache's pages were handed back and taken again elsewhere;
 - the sampling kernel (Gumbel noise hashed in the kernel) against the plain ops' draws;
@@ -98,7 +98,8 @@ def vocoder_kernels_vs_torch_ops(model) -> dict:
     from engine.model import kernels, vocoder
     fused = _streamed_windows(model, 4)
     with mock.patch.multiple(vocoder, snake_beta=kernels.snake_beta_reference,
-                             residual_tail=kernels.residual_tail_reference):
+                             residual_tail=kernels.residual_tail_reference,
+                             window_attention=kernels.window_attention_reference):
         plain = _streamed_windows(model, 4)
     e = err(fused, plain)
     # the kernels round once where the ops round after each of theirs: bf16 rounding apart, not more

@@ -126,6 +126,12 @@ def main() -> None:
                           dict(BLOCK_CO=c["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=c["BLOCK_T"], IEEE=dtype == "fp32",
                                HAS_X_BIAS=x_bias, **unit_out),
                           num_warps=c["num_warps"], num_stages=3)
+        # the 12 Hz transformer's windowed attention (16 heads of 64, its one config)
+        build(k.vocoder._window_attention_kernel,
+              dict(q_ptr=p, k_ptr=p, v_ptr=p, out_ptr=p, cos_ptr=p, sin_ptr=p, first_ptr="*i64", t=i32, S=i32,
+                   scale="fp32", stride_qb=i32, stride_qt=i32, stride_kb=i32, stride_kt=i32, stride_vb=i32,
+                   stride_vt=i32, stride_ob=i32, stride_ot=i32),
+              dict(G=1, D=64, BLOCK_Q=16, BLOCK_K=64, IEEE=dtype == "fp32"), num_warps=4)
         build(k.attention._qk_norm_rope_kernel,
               dict(x_ptr=p, y_ptr=p, w_ptr=p, cos_ptr=p, sin_ptr=p, H="i32",
                    stride_bt="i32", eps="fp32"), dict(D=128, HALF=64))

@@ -65,3 +65,32 @@ def test_residual_tail_matches_the_reference(kernels, channels, samples, layout,
     assert (out.stride(1) == 1) == (layout == "channels_last")
     torch.testing.assert_close(out, kernels.residual_tail_reference(x, y, log_alpha, log_beta, y_bias, weight, bias,
                                                                     x_bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t, started, kv_heads", [(8, (0, 3, 200), 4), (2, (1, 0, 71), 4), (40, (0, 90, 5), 2),
+                                                  (1, (70, 0, 2), 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_window_attention_matches_the_reference(kernels, t, started, kv_heads, dtype):
+    """The 12 Hz transformer's attention (RoPE of q and k, the sliding window, keys before a stream's
+    first frame left out) in one kernel: windows of a few frames, one of several query blocks (40 frames,
+    key blocks of each), grouped heads; q, k and v views of projections as the layer makes them. In a
+    16-bit type RoPE rounds each product as the separate ops do (fp16 here: the interpreter's dot of
+    bf16 tiles is wrong, so bf16 is checked on the GPU, `bench.gpu_checks`)."""
+    g = torch.Generator().manual_seed(2)
+    window, heads, d = 72, 4, 64
+    s = window - 1
+    start = torch.tensor(started)
+    b = len(started)
+    q = torch.randn(b, t, heads * d, generator=g).view(b, t, heads, d)
+    kv = torch.randn(b, s + t, 2 * kv_heads * d, generator=g)
+    k, v = kv[..., :kv_heads * d].view(b, s + t, kv_heads, d), kv[..., kv_heads * d:].view(b, s + t, kv_heads, d)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    f = torch.arange(s + t).float()[:, None] * inv_freq
+    cos, sin = torch.cat((f, f), -1).cos(), torch.cat((f, f), -1).sin()
+    q, k, v, cos, sin = (x.to(dtype) for x in (q, k, v, cos, sin))
+    first_key = (s - start).clamp(min=0)
+    out = kernels.window_attention_triton(q, k, v, cos, sin, first_key)
+    assert out.shape == (b, t, heads, d) and out.is_contiguous()
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, kernels.window_attention_reference(q, k, v, cos, sin, first_key),
+                               atol=tol, rtol=tol)

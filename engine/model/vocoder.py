@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DecoderConfig
-from .layers import LayerScale, RMSNorm, SwiGLU, apply_rope, rope_cos_sin, rope_inv_freq
-from .kernels import new_samples, residual_tail, snake_beta
+from .layers import LayerScale, RMSNorm, SwiGLU, rope_cos_sin, rope_inv_freq
+from .kernels import new_samples, residual_tail, snake_beta, window_attention
 
 # Checkpoint tensors the decode path never reads (the RVQ input projections serve encoding only);
 # pass to `engine.weights.warn_unused(..., ignore_prefixes=...)` with the "decoder." prefix.
@@ -282,18 +282,16 @@ class WindowAttention(nn.Module):
         self.context_len = cfg.sliding_window - 1
         self.context_shape = (self.context_len, cfg.hidden_size)
 
-    def forward(self, x, cos, sin, mask, context: dict) -> torch.Tensor:
-        """x [B, t, hidden]; cos/sin [1, window-1+t, head_dim] for positions 0..window-2+t; mask [B, 1, t, window-1+t]."""
+    def forward(self, x, cos, sin, first_key, context: dict) -> torch.Tensor:
+        """x [B, t, hidden]; cos/sin [window-1+t, head_dim] for positions 0..window-2+t; first_key [B]:
+        the first of [context, x]'s keys that is a real frame."""
         b, t, _ = x.shape
         seen = torch.cat([context[self], x], dim=1)                  # [B, S + t, hidden]
         context[self] = seen[:, t:]
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(seen).view(b, -1, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(seen).view(b, -1, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos[:, self.context_len:], sin[:, self.context_len:])
-        out = F.scaled_dot_product_attention(q, apply_rope(k, cos, sin), v, attn_mask=mask,
-                                             enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(seen).view(b, -1, self.kv_heads, self.head_dim)
+        v = self.v_proj(seen).view(b, -1, self.kv_heads, self.head_dim)
+        return self.o_proj(window_attention(q, k, v, cos, sin, first_key).reshape(b, t, -1))
 
 
 class TransformerLayer(nn.Module):
@@ -306,8 +304,8 @@ class TransformerLayer(nn.Module):
         self.self_attn_layer_scale = LayerScale(cfg.hidden_size)
         self.mlp_layer_scale = LayerScale(cfg.hidden_size)
 
-    def forward(self, h, cos, sin, mask, context: dict) -> torch.Tensor:
-        h = h + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(h), cos, sin, mask, context))
+    def forward(self, h, cos, sin, first_key, context: dict) -> torch.Tensor:
+        h = h + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(h), cos, sin, first_key, context))
         return h + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(h)))
 
 
@@ -333,15 +331,13 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, start: torch.Tensor, context: dict) -> torch.Tensor:
         """x [B, t, latent], frames start[b].. of each row; context holds the previous window-1 frames."""
         t, past = x.shape[1], self.window - 1
-        cos, sin = rope_cos_sin(torch.arange(past + t, device=x.device)[None], self.inv_freq, x.dtype)
-        # Key k of [context, x] is frame start - past + k and query i is frame start + i.
-        key = torch.arange(past + t, device=x.device)
-        query = torch.arange(t, device=x.device)[:, None]
-        in_window = (key >= query) & (key <= query + past)                          # [t, past + t]
-        mask = in_window & (key >= past - start[:, None, None])                      # [B, t, past + t]
+        cos, sin = rope_cos_sin(torch.arange(past + t, device=x.device), self.inv_freq, x.dtype)
+        # Key k of [context, x] is frame start - past + k (a real frame from k = past - start on) and
+        # query i is frame start + i.
+        first_key = (past - start).clamp(min=0)
         h = self.input_proj(x)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask[:, None], context)
+            h = layer(h, cos, sin, first_key, context)
         return self.output_proj(self.norm(h))
 
 

@@ -4,7 +4,8 @@ SnakeBeta is ~56% of the vocoder's GPU time as four separate elementwise kernels
 one Triton kernel reads x once and writes y once. At many streams the vocoder is bound by passes over
 its high-rate activations: a SnakeBeta writes the next conv's left context ahead of its output (no
 concatenated copy), and a residual unit's second SnakeBeta, 1x1 conv and residual add (with both
-convs' biases) are one kernel, `residual_tail`.
+convs' biases) are one kernel, `residual_tail`. The 12 Hz transformer's sliding-window attention,
+RoPE included, is one kernel too, `window_attention` (as separate ops, ~10 small kernels a layer).
 """
 from __future__ import annotations
 
@@ -40,7 +41,41 @@ def residual_tail_reference(x: torch.Tensor, y: torch.Tensor, log_alpha: torch.T
     return x + (F.conv1d(h, weight) + bias[None, :, None])
 
 
+def window_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                               sin: torch.Tensor, first_key: torch.Tensor) -> torch.Tensor:
+    """Causal sliding-window attention of the new frames' queries q [B, t, H, D] over the keys and
+    values k, v [B, S + t, H_kv, D] of [context, new frames] (S = window - 1), rotate-half RoPE at
+    local positions first (cos, sin [S + t, D]: key j at j, query i at S + i; rounded op by op, as the
+    official `x * cos + rotate_half(x) * sin`). Query i sees keys i..i+S from `first_key[b]` on (the
+    context's keys before a stream's first frame are not real). Returns [B, t, H, D]."""
+    t, s = q.shape[1], k.shape[1] - q.shape[1]
+
+    def rope(x, cos, sin):                       # x [B, heads, T, D]
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    key = torch.arange(s + t, device=q.device)
+    query = torch.arange(t, device=q.device)[:, None]
+    mask = (key >= query) & (key <= query + s) & (key >= first_key[:, None, None])           # [B, t, S + t]
+    out = F.scaled_dot_product_attention(rope(q.transpose(1, 2), cos[s:], sin[s:]),
+                                         rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2),
+                                         attn_mask=mask[:, None], enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
 if triton is not None:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _sin(x, dtype: tl.constexpr):
+        """sin of fp32 x for a result rounded to `dtype`. For a 16-bit one, the hardware's approximation
+        (sin.approx: absolute error < 2^-20 on [-pi, pi]) after a reduction to that range (2 pi in two
+        parts): a few instructions where libdevice's exact sinf takes ~40, which made it the SnakeBeta's
+        largest cost, and an error far below the result's rounding. fp32 keeps the exact one."""
+        if dtype == tl.float32:
+            return tl.sin(x)
+        n = tl.floor(x * 0.15915494309189535 + 0.5)
+        return libdevice.fast_sinf(x - n * 6.28125 - n * 0.0019353071795864769)
+
     @triton.jit
     def _snake(x, log_alpha, log_beta, bias, HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
         """SnakeBeta of fp32 x (a per-channel bias added first, rounded as the conv's own bias add
@@ -48,7 +83,7 @@ if triton is not None:
         if HAS_BIAS:
             x = (x + bias.to(tl.float32)).to(dtype).to(tl.float32)
         inv_beta = 1.0 / (tl.exp(log_beta.to(tl.float32)) + 1e-9)
-        s = tl.sin(x * tl.exp(log_alpha.to(tl.float32)))
+        s = _sin(x * tl.exp(log_alpha.to(tl.float32)), dtype)
         return (x + inv_beta * s * s).to(dtype)
 
     @triton.jit
@@ -113,6 +148,90 @@ if triton is not None:
             x = (x + tl.load(x_bias_ptr + co, mask=co < C, other=0.0).to(tl.float32)[:, None]).to(dtype).to(tl.float32)
         tl.store(out_ptr + b * stride_ob + co[:, None] * stride_oc + t[None, :] * stride_ot,
                  (x + conv.to(dtype).to(tl.float32)).to(dtype), mask=mask)
+
+
+    @triton.jit
+    def _rope_rounded(x1, x2, cos_at, sin_at, HALF: tl.constexpr, dtype: tl.constexpr):
+        """Rotate-half RoPE of fp32 halves [R, HALF] with the cos/sin rows at `cos_at`/`sin_at` ([R]
+        pointers), each product and the sum rounded to `dtype` as the separate ops round them."""
+        i = tl.arange(0, HALF)[None, :]
+        c1 = tl.load(cos_at[:, None] + i).to(tl.float32)
+        c2 = tl.load(cos_at[:, None] + HALF + i).to(tl.float32)
+        s1 = tl.load(sin_at[:, None] + i).to(tl.float32)
+        s2 = tl.load(sin_at[:, None] + HALF + i).to(tl.float32)
+        r1 = (x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)
+        r2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+        return r1.to(dtype), r2.to(dtype)
+
+    @triton.jit
+    def _window_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cos_ptr, sin_ptr, first_ptr, t, S, scale,
+                                 stride_qb, stride_qt, stride_kb, stride_kt, stride_vb, stride_vt, stride_ob, stride_ot,
+                                 G: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 IEEE: tl.constexpr):
+        """BLOCK_Q queries of one stream and head against the keys they see, BLOCK_K at a time (online
+        softmax): q and each key block rotated in registers, scores and weights in fp32."""
+        HALF: tl.constexpr = D // 2
+        PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"
+        dtype = out_ptr.dtype.element_ty
+        h = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        kv = h // G
+        i = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)                  # query i is at position S + i
+        qm = (i < t)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        q_at = q_ptr + b * stride_qb + i[:, None] * stride_qt + h * D + d
+        pos = tl.minimum(S + i, S + t - 1)
+        q1, q2 = _rope_rounded(tl.load(q_at, mask=qm, other=0.0).to(tl.float32),
+                               tl.load(q_at + HALF, mask=qm, other=0.0).to(tl.float32),
+                               cos_ptr + pos * D, sin_ptr + pos * D, HALF, dtype)
+        m = tl.full([BLOCK_Q], -1e30, tl.float32)          # finite: padding rows, which see no key, stay 0
+        l = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, D], tl.float32)
+        lo = tl.maximum(tl.program_id(0) * BLOCK_Q, tl.load(first_ptr + b))
+        hi = tl.minimum(tl.program_id(0) * BLOCK_Q + BLOCK_Q - 1 + S, S + t - 1)      # last key, inclusive
+        for j0 in range(lo, hi + 1, BLOCK_K):
+            j = j0 + tl.arange(0, BLOCK_K)
+            jc = tl.minimum(j, hi)[:, None]
+            k_at = k_ptr + b * stride_kb + jc * stride_kt + kv * D + d
+            k1, k2 = _rope_rounded(tl.load(k_at).to(tl.float32), tl.load(k_at + HALF).to(tl.float32),
+                                   cos_ptr + tl.minimum(j, hi) * D, sin_ptr + tl.minimum(j, hi) * D, HALF, dtype)
+            scores = (tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
+                      + tl.dot(q2, tl.trans(k2), input_precision=PRECISION)) * scale
+            seen = (j[None, :] >= i[:, None]) & (j[None, :] <= i[:, None] + S) & (j[None, :] <= hi)
+            scores = tl.where(seen, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            vals = tl.load(v_ptr + b * stride_vb + jc * stride_vt + kv * D + tl.arange(0, D)[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(dtype), vals, input_precision=PRECISION)
+            m = m_new
+        out = out_ptr + b * stride_ob + i[:, None] * stride_ot + h * D + tl.arange(0, D)[None, :]
+        tl.store(out, (acc / tl.maximum(l, 1e-30)[:, None]).to(dtype), mask=qm)
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     first_key: torch.Tensor) -> torch.Tensor:
+    """`window_attention_reference` in one kernel on CUDA (the separate ops: two RoPEs of five
+    kernels each and an attention whose tiles are mostly padding at a window's few queries)."""
+    d = q.shape[-1]
+    if triton is None or not q.is_cuda or d < 32 or d & (d - 1) or any(x.stride(-1) != 1 or x.stride(2) != d
+                                                                       for x in (q, k, v)):
+        return window_attention_reference(q, k, v, cos, sin, first_key)
+    return window_attention_triton(q, k, v, cos, sin, first_key)
+
+
+def window_attention_triton(q, k, v, cos, sin, first_key) -> torch.Tensor:
+    """`window_attention`'s kernel: q, k, v may be views whose rows (a frame's heads, each
+    contiguous) are strided; the result is contiguous."""
+    b, t, h, d = q.shape
+    out = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device)
+    block_q = 16
+    _window_attention_kernel[(triton.cdiv(t, block_q), h, b)](
+        q, k, v, out, cos.contiguous(), sin.contiguous(), first_key, t, k.shape[1] - t, d ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        G=h // k.shape[2], D=d, BLOCK_Q=block_q, BLOCK_K=64, IEEE=q.dtype == torch.float32, num_warps=4)
+    return out
 
 
 def snake_beta(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
