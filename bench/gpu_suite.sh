@@ -34,6 +34,7 @@ fi
 # VOCODER_BATCHES: the scheduler's vocoder_batch values to measure (most streams a vocoder replay decodes)
 # WINDOWS: vocoder window sizes to measure ("first,later" frames, bench.throughput --window), each tagged
 # REPS: runs of each batch size (bench.throughput --reps)
+# SUSTAINED: then that many turns through the largest batch's slots (bench.throughput --sustained)
 # TREES: source trees to time one after the other on this machine (an A/B of commits; each tagged
 #   with its path): "." is the working tree, others hold a commit's engine/ and bench/, made on the
 #   host by `git archive REV engine bench | tar -x -C .device/REV` and carried along
@@ -47,7 +48,7 @@ if has throughput; then
         for win in ${WINDOWS:-2,8}; do
           (cd "$tree" && env ${variant//,/ } PYTHONPATH=/tmp/site_srv:$PWD timeout 300 python3 -m bench.throughput \
             --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --reps ${REPS:-1} \
-            --vocoder-batch $vb --window $win --tag "$tag${WINDOWS:+ window $win}" --out "$R") >> "$OUTD/throughput.log" 2>&1
+            --vocoder-batch $vb --window $win ${SUSTAINED:+--sustained $SUSTAINED} --tag "$tag${WINDOWS:+ window $win}" --out "$R") >> "$OUTD/throughput.log" 2>&1
           echo "throughput ($tag, vocoder batch $vb, window $win) rc=$? at $((SECONDS-t0)) s"
         done
       done

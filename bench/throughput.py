@@ -3,7 +3,9 @@
 For each batch size B, B turns of a fixed length (EOS suppressed, `--frames` frames each) are
 submitted at once to one `engine.scheduler.Scheduler`; the wall time runs from submission until the
 last chunk of the last turn has been delivered, so it includes prefill, every decode step and the
-streaming vocoder. Also reports idle and peak GPU memory.
+streaming vocoder. Also reports idle and peak GPU memory. With `--sustained N`, N turns of varied
+lengths then go through the largest batch's slots at once (a server under steady load: turns end and
+queued ones join frame by frame), with the audio rate while every slot is busy (`rtf_steady`).
 
     python -m bench.throughput --model-dir /tmp/rand06b --device cuda --dtype bfloat16 \
         --batches 1,16,64,256 --frames 125 --out results.jsonl
@@ -27,6 +29,7 @@ from engine.scheduler import VOCODER_BATCH, Scheduler
 from bench.results import emit
 
 FRAME_S = 0.08
+SAMPLE_RATE = 24000
 TEXTS = [
     "The quick brown fox jumps over the lazy dog while the sun sets behind the distant hills.",
     "Please remember to bring your umbrella tomorrow, because the forecast says it will rain all afternoon.",
@@ -39,38 +42,67 @@ def gib(n: int) -> float:
     return n / 2 ** 30
 
 
-def run_batch(scheduler: Scheduler, model, voice, batch: int, frames: int, seed0: int) -> dict:
-    params = [SamplingParams(seed=seed0 + i, min_new_tokens=frames + 2) for i in range(batch)]
-    t0 = time.perf_counter()
-    handles = [scheduler.submit(SpeechRequest(text=TEXTS[i % len(TEXTS)], voice=voice, language="english",
-                                              sampling=params[i], max_frames=frames))
-               for i in range(batch)]
-    first: list = [None] * batch
-    samples = [0] * batch
-    results: list = [None] * batch
+def _drain_all(handles: list, t0: float) -> tuple[list, list]:
+    """Every turn's stream read to its end, one reader a turn (so arrival times are real): each turn's
+    chunks as (seconds since t0, samples), and its result."""
+    chunks: list = [[] for _ in handles]
+    results: list = [None] * len(handles)
 
-    def drain(i: int) -> None:          # one reader per turn, so arrival times are real
+    def drain(i: int) -> None:
         while True:
             item = handles[i].get(timeout=600)
             if hasattr(item, "pcm"):
-                samples[i] += len(item.pcm)
-                first[i] = first[i] or time.perf_counter() - t0
+                chunks[i].append((time.perf_counter() - t0, len(item.pcm)))
             else:
                 results[i] = item
                 return
 
-    readers = [threading.Thread(target=drain, args=(i,)) for i in range(batch)]
+    readers = [threading.Thread(target=drain, args=(i,)) for i in range(len(handles))]
     for r in readers:
         r.start()
     for r in readers:
         r.join()
+    return chunks, results
+
+
+def _submit(scheduler: Scheduler, voice, lengths: list[int], seed0: int) -> list:
+    """One turn a length (EOS suppressed: each runs exactly its frames), all submitted at once."""
+    return [scheduler.submit(SpeechRequest(text=TEXTS[i % len(TEXTS)], voice=voice, language="english",
+                                           sampling=SamplingParams(seed=seed0 + i, min_new_tokens=n + 2),
+                                           max_frames=n))
+            for i, n in enumerate(lengths)]
+
+
+def run_batch(scheduler: Scheduler, voice, batch: int, frames: int, seed0: int) -> dict:
+    t0 = time.perf_counter()
+    chunks, results = _drain_all(_submit(scheduler, voice, [frames] * batch, seed0), t0)
     wall = time.perf_counter() - t0
+    first = [c[0][0] for c in chunks if c]
     total_frames = sum(r.frames for r in results)
     return dict(batch=batch, frames_total=total_frames, frames_per_stream=[min(r.frames for r in results),
-                max(r.frames for r in results)], wall_s=wall, audio_samples=sum(samples),
+                max(r.frames for r in results)], wall_s=wall, audio_samples=sum(n for c in chunks for _, n in c),
                 rtf_aggregate=total_frames * FRAME_S / wall, rtf_per_stream=total_frames * FRAME_S / batch / wall,
-                ttfa_s=float(np.median([f for f in first if f is not None])),
-                ttfa_max_s=max(f for f in first if f is not None))
+                ttfa_s=float(np.median(first)), ttfa_max_s=max(first))
+
+
+def run_sustained(scheduler: Scheduler, voice, turns: int, slots: int, frames: int, seed0: int) -> dict:
+    """`turns` turns (more than the scheduler's `slots`) submitted at once, their lengths spread over
+    frames +-25% (seeded), so that from the first turn's end until the last one's admission every slot
+    is busy while turns end and queued ones join frame by frame, as on a server under steady load.
+    rtf_steady is the audio delivered over that span per wall second (the batch runs' figure includes the
+    ramp of admitting and prefilling all turns at once and the drain of the last ones)."""
+    lengths = np.random.default_rng(seed0).integers(int(frames * 0.75), int(frames * 1.25) + 1, turns).tolist()
+    t0 = time.perf_counter()
+    chunks, results = _drain_all(_submit(scheduler, voice, lengths, seed0), t0)
+    wall = time.perf_counter() - t0
+    full_from = min(c[-1][0] for c in chunks)                     # the first turn's end: every slot filled
+    full_to = max(c[0][0] for c in chunks)                        # the last turn's first audio: the queue empty
+    steady = sum(n for c in chunks for t, n in c if full_from < t <= full_to)
+    total_frames = sum(r.frames for r in results)
+    return dict(batch=slots, turns=turns, frames_total=total_frames, wall_s=wall,
+                rtf_aggregate=total_frames * FRAME_S / wall, steady_s=full_to - full_from,
+                rtf_steady=steady / SAMPLE_RATE / (full_to - full_from),
+                ttfa_s=float(np.median([c[0][0] for c in chunks[:slots]])))
 
 
 def main() -> None:
@@ -81,6 +113,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--frames", type=int, default=125, help="frames per turn (125 = 10 s)")
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--sustained", type=int, default=0,
+                    help="then this many turns (lengths --frames +-25%%) through the largest batch's slots, "
+                         "submitted at once: the throughput of a server under steady load")
     ap.add_argument("--window", default="2,8", help="vocoder frames: first window, later windows")
     ap.add_argument("--vocoder-batch", type=int, default=VOCODER_BATCH,
                     help="most streams one vocoder graph replay decodes")
@@ -120,19 +155,22 @@ def main() -> None:
                       kv_cache_gib=gib(scheduler.stats().kv_cache_bytes), device_used_gib=gib(total - free)))
 
     try:
-        run_batch(scheduler, model, voice, min(batches), 8, 10_000)      # warm-up (graphs, allocator)
+        run_batch(scheduler, voice, min(batches), 8, 10_000)      # warm-up (graphs, allocator)
         if cuda:
             emit_memory("after warm-up")
         for b in batches:
             for rep in range(args.reps):
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
-                row = run_batch(scheduler, model, voice, b, args.frames, 1000 * rep)
+                row = run_batch(scheduler, voice, b, args.frames, 1000 * rep)
                 if cuda:
                     row["max_alloc_gib"] = gib(torch.cuda.max_memory_allocated())
                     row["max_reserved_gib"] = gib(torch.cuda.max_memory_reserved())
                 emit_row(dict(kind="run", mode="scheduler", rep=rep, device=args.device, dtype=args.dtype, **row,
                           step_ms=scheduler.stats().last_step_ms))
+        for rep in range(args.reps if args.sustained > max(batches) else 0):
+            row = run_sustained(scheduler, voice, args.sustained, max(batches), args.frames, 1000 * rep)
+            emit_row(dict(kind="run", mode="sustained", rep=rep, device=args.device, dtype=args.dtype, **row))
         if cuda:
             time.sleep(0.5)           # the engine thread hands spare cache pages back after the last turn
             emit_memory("after the runs")
