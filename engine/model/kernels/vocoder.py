@@ -149,7 +149,6 @@ if triton is not None:
         tl.store(out_ptr + b * stride_ob + co[:, None] * stride_oc + t[None, :] * stride_ot,
                  (x + conv.to(dtype).to(tl.float32)).to(dtype), mask=mask)
 
-
     @triton.jit
     def _rope_rounded(x1, x2, cos_at, sin_at, HALF: tl.constexpr, dtype: tl.constexpr):
         """Rotate-half RoPE of fp32 halves [R, HALF] with the cos/sin rows at `cos_at`/`sin_at` ([R]
