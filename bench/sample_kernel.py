@@ -35,7 +35,9 @@ def main() -> None:
             temperature = torch.full((b,), 0.9, device=dev)
             top_k = torch.full((b,), args.top_k, dtype=torch.long, device=dev)
             seed, frame = torch.arange(b, device=dev), torch.zeros(b, dtype=torch.long, device=dev)
-            sample = lambda c=None: kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, 3, c)  # noqa: E731
+
+            def sample(c=None):
+                return kernels.sample_rows(logits, greedy, temperature, top_k, seed, frame, 3, c)
             sample()
             picked = kernels.launch.fastest_configs[("sample_rows", vocab, b.bit_length())]
             us = {}

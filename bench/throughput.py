@@ -29,7 +29,6 @@ from engine.scheduler import VOCODER_BATCH, Scheduler
 from bench.results import emit
 
 FRAME_S = 0.08
-SAMPLE_RATE = 24000
 TEXTS = [
     "The quick brown fox jumps over the lazy dog while the sun sets behind the distant hills.",
     "Please remember to bring your umbrella tomorrow, because the forecast says it will rain all afternoon.",
@@ -101,7 +100,7 @@ def run_sustained(scheduler: Scheduler, voice, turns: int, slots: int, frames: i
     total_frames = sum(r.frames for r in results)
     return dict(batch=slots, turns=turns, frames_total=total_frames, wall_s=wall,
                 rtf_aggregate=total_frames * FRAME_S / wall, steady_s=full_to - full_from,
-                rtf_steady=steady / SAMPLE_RATE / (full_to - full_from),
+                rtf_steady=steady / scheduler.model.config.sample_rate / (full_to - full_from),
                 ttfa_s=float(np.median([c[0][0] for c in chunks[:slots]])))
 
 

@@ -215,7 +215,8 @@ class ModelRunner:
         noise = None if fused_sampling(self.device, params.sub_top_p_any) or all_greedy(params.sub_greedy) else \
             subtalker_noise(params.seed, frame_index, groups, self.talker.code_predictor.cfg.vocab_size)
         rest = self.talker.predict_codes(
-            h, c0, lambda logits, group, embed: sample_subtalker(logits, group, frame_index, params, noise, embed), self.cp_cache)
+            h, c0, lambda logits, group, embed: sample_subtalker(logits, group, frame_index, params, noise, embed),
+            self.cp_cache)
         frames = torch.cat([c0[:, None], rest], dim=1)
         x = self.talker.embed_frame(frames, plus=text_embeds)
         hidden = self.talker(x[:, None], self.cache, self.length[:n], kmax=kmax)[:, 0]
