@@ -95,6 +95,9 @@ class ModelRunner:
         self.alive = torch.zeros(s, dtype=torch.bool, device=dev)        # not finished: may advance
         self.params = SamplingTensors.from_params([SamplingParams(seed=0)] * s, dev)
         self.lengths = np.zeros(s, dtype=np.int64)   # host mirror of `length`: kmax without a device sync
+        # host mirrors of what can end a row at its first c0 (a prefill reads its status back only then)
+        self.max_frames = np.zeros(s, dtype=np.int64)
+        self.eos_at_once = np.zeros(s, dtype=bool)    # min_new_tokens 0: EOS may be the first c0
         self.graphs = None                            # engine.graphs.StepGraphs once enabled
         self.prefill_graphs = None                    # engine.graphs.PrefillGraphs once enabled
 
@@ -132,6 +135,8 @@ class ModelRunner:
         self.limit[idx] = to_device(max_frames, self.device, torch.long)
         self.alive[idx] = True
         self.lengths[slots] = 0
+        self.max_frames[slots] = max_frames
+        self.eos_at_once[slots] = [p.min_new_tokens < 1 for p in params]
 
     # -- prefill ---------------------------------------------------------------------------------
 
@@ -169,9 +174,11 @@ class ModelRunner:
         self.generated[di] += 1
         status = self._status(c0, self.generated[di], self.length[di], self.limit[di])
         self.alive[di] = status == RUNNING
-        status = status.cpu().tolist()
         out = [RUNNING] * len(slots)
-        for i, st in zip(done, status):
+        ends = [slots[i] for i in done]
+        if not (self.eos_at_once[ends] | (self.max_frames[ends] < 1) | (self.lengths[ends] >= self.capacity)).any():
+            return out    # no row can have ended: no read-back, which would wait for the step in flight
+        for i, st in zip(done, status.cpu().tolist()):
             out[i] = st
         return out
 

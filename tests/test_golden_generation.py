@@ -142,6 +142,27 @@ def test_runner_rows_sit_out_and_slots_reuse(model, golden_cases, golden_npz, pa
     assert done == 3
 
 
+def test_prefill_reads_its_status_back_only_where_a_row_can_end(model, golden_cases, golden_npz, monkeypatch):
+    """A row's first c0 can end it only with a frame limit of 0, min_new_tokens 0 (EOS allowed at
+    once) or a full cache; otherwise the prefill returns RUNNING without reading the device back
+    (on a GPU that read waits for the decode step in flight, every admission under load)."""
+    p, _ = _prompt(model, "xvec_en", golden_cases, golden_npz)
+    reads, cpu = [], torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: reads.append(t.shape) or cpu(t, *a, **k))
+    runner = ModelRunner(model, max_batch=3, capacity=128)
+    runner.admit([0, 1], [GREEDY, SamplingParams(seed=3)], [31, 5])
+    assert runner.prefill([0, 1], [p.embeds, p.embeds]) == [RUNNING, RUNNING] and not reads
+    runner.admit([2], [GREEDY], [0])
+    assert runner.prefill([2], [p.embeds]) == [LIMIT] and reads
+    reads.clear()
+    runner.admit([0], [SamplingParams(greedy=True, min_new_tokens=0)], [31])
+    assert runner.prefill([0], [p.embeds]) == [RUNNING] and reads
+    reads.clear()
+    runner = ModelRunner(model, max_batch=1, capacity=p.embeds.shape[0])
+    runner.admit([0], [GREEDY], [31])
+    assert runner.prefill([0], [p.embeds]) == [LIMIT] and reads
+
+
 def test_runner_reports_eos(model, golden_cases, golden_npz):
     p, g = _prompt(model, "xvec_eos", golden_cases, golden_npz)
     runner = ModelRunner(model, max_batch=1, capacity=64)
