@@ -128,7 +128,7 @@ class KVCache:
             self._slot_pages[slot] = []
             self.page_counts[slot] = 0
         if slots:
-            self.table[to_device(slots, self.table.device, torch.long)] = 0
+            self.table.index_fill_(0, to_device(slots, self.table.device, torch.long), 0)   # no pageable upload
 
     def trim(self, keep: int = 0) -> int:
         """Free chunks whose pages no slot holds while more than `keep` pages are free (separate

@@ -129,11 +129,12 @@ class ModelRunner:
         """Give `slots` fresh state for new requests (their old contents are forgotten)."""
         idx = to_device(slots, self.device, torch.long)
         self.params.assign(idx, SamplingTensors.from_params(params, self.device))
-        self.length[idx] = 0
-        self.generated[idx] = 0
-        self.seen[idx] = False
+        # index_fill_, not `t[idx] = 0`: a Python scalar there is a pageable upload that waits for the GPU
+        self.length.index_fill_(0, idx, 0)
+        self.generated.index_fill_(0, idx, 0)
+        self.seen.index_fill_(0, idx, False)
         self.limit[idx] = to_device(max_frames, self.device, torch.long)
-        self.alive[idx] = True
+        self.alive.index_fill_(0, idx, True)
         self.lengths[slots] = 0
         self.max_frames[slots] = max_frames
         self.eos_at_once[slots] = [p.min_new_tokens < 1 for p in params]
