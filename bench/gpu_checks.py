@@ -12,6 +12,8 @@
 - the sampling kernel (Gumbel noise hashed in the kernel) against the plain ops' draws;
 - a sampled scheduler turn with the decode kernels launched as programmatic dependents against the
   same turn launched plainly (`kernels.launch.PDL`): the same kernels, so the same codes, bit for bit;
+- turns joining and leaving a scheduler frame by frame without any engine code waiting for the GPU
+  but its read-backs (PyTorch's sync debug mode);
 - the attention with a row's keys split over programs against the one-program kernel.
 Each check prints a RESULT row with its errors and `ok`; the exit status is 1 if any is not ok.
 
@@ -264,6 +266,49 @@ def vocoder_stream_vs_steps_stream(model) -> dict:
                 pcm_max_abs_diff=round(pcm_diff, 5), ok=equal and pcm_diff < 0.05)
 
 
+def scheduler_does_not_wait_for_the_gpu(model) -> dict:
+    """Turns joining and leaving a scheduler's slots frame by frame (12 turns of varied lengths through
+    4 slots), with PyTorch's sync debug mode on: no engine code may wait for the GPU but where it
+    reads results back (events, which the mode does not flag) and where it empties the allocator
+    with no session left. Any other wait leaves the GPU idle while the host works: under steady
+    load each admission's status read and each `t[idx] = 0` did (bench/README, eighteenth session)."""
+    import traceback
+    import warnings
+    voice = model.make_voice(np.random.default_rng(4).standard_normal(48000).astype(np.float32) * 0.1, 24000)
+    sites: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing CUDA operation" not in str(message):
+            return
+        stack = [f for f in traceback.extract_stack() if "/engine/" in f.filename]
+        if stack and not any(f.name == "release_cached_memory" for f in stack):
+            site = " < ".join(f"{f.filename.rsplit('/engine/')[-1]}:{f.lineno} {f.line}" for f in reversed(stack[-2:]))
+            sites[site] = sites.get(site, 0) + 1
+
+    with Scheduler(model, 4) as s:
+        def turns(seed0):
+            lengths = np.random.default_rng(seed0).integers(6, 30, 12)
+            handles = [s.submit(SpeechRequest(text=f"Turn {i} of a steady load.", voice=voice, language="english",
+                                              max_frames=int(n), sampling=SamplingParams(seed=seed0 + i,
+                                                                                         min_new_tokens=int(n))))
+                       for i, n in enumerate(lengths)]
+            return [h.collect(timeout=300) for h in handles]
+        turns(0)            # graphs captured on first use, the allocator warmed
+        shown = warnings.showwarning
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                results = turns(100)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                warnings.showwarning = shown
+    complete = all(r.reason == "max_frames" for _, r in results)
+    return dict(check="scheduler_does_not_wait_for_the_gpu", turns=len(results), waits=sum(sites.values()),
+                sites=sorted(sites, key=sites.get, reverse=True)[:6], ok=complete and not sites)
+
+
 def split_attention_vs_one_program(model) -> dict:
     """`decode_attention` with a row's keys cut over 2 or 4 programs (partials merged by the last to
     arrive) against the one-program kernel, at the talker's first layer over random earlier keys, 1 and
@@ -345,7 +390,8 @@ def main() -> int:
     args = ap.parse_args()
     checks = (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops,
               vocoder_channels_last_vs_first, scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
-              dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, split_attention_vs_one_program,
+              dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, scheduler_does_not_wait_for_the_gpu,
+              split_attention_vs_one_program,
               short_attention_vs_per_head)
     if args.only:
         names = args.only.split(",")
