@@ -128,8 +128,9 @@ def main() -> None:
     ref = np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1
     voice = model.make_voice(ref, 24000)
     cuda = torch.device(args.device).type == "cuda"
+    # the sustained load submits all its turns at once: the queue holds them (2,048 overflowed the default 1,024)
     scheduler = Scheduler(model, max_batch=max(batches), window_frames=tuple(int(w) for w in args.window.split(",")),
-                          vocoder_batch=args.vocoder_batch)
+                          vocoder_batch=args.vocoder_batch, max_queue=max(1024, args.sustained))
     t = time.perf_counter()
     graphs = scheduler.warmup(max_live=args.frames + 128)
     warmup_s = time.perf_counter() - t
