@@ -99,6 +99,7 @@ async def _sample_steps(svc: Service) -> None:
     """Feed the per-step metrics from the scheduler's counters (the engine thread keeps them), and
     the event loop's lag: how late this loop's own wake-ups are (every session's sends wait as long)."""
     seen_steps = seen_frames = 0
+    seen_host: dict = {}
     loop = asyncio.get_running_loop()
     while True:
         t = loop.time()
@@ -115,6 +116,9 @@ async def _sample_steps(svc: Service) -> None:
             svc.metrics.steps.inc(st.steps - seen_steps)
             svc.metrics.frames.inc(st.frames_generated - seen_frames)
             seen_steps, seen_frames = st.steps, st.frames_generated
+        for phase, seconds in st.host_seconds.items():
+            svc.metrics.host_seconds.labels(phase).inc(seconds - seen_host.get(phase, 0.0))
+        seen_host = st.host_seconds
 
 
 def _http_error(request, exc: HTTPException):

@@ -95,6 +95,8 @@ class SchedulerStats:
     capacity: int            # talker cache positions per slot (at most)
     kv_cache_bytes: int      # device memory the talker cache holds now (pages in use and spare)
     oom_recoveries: int      # device out-of-memory errors recovered from
+    host_seconds: dict       # the engine thread's seconds in each phase of its iterations since start
+                             # ("read-back" is mostly waiting for the GPU; the others are host work)
 
 
 Item = Union[AudioChunk, TurnResult]
@@ -354,6 +356,7 @@ class Scheduler:
         self._cache_full = False                # an admission found the cache's page budget spent
         self._steps = self._frames_total = self._ooms = self._text_waits = 0
         self._last_step_ms, self._last_batch, self._last_sat_out = 0.0, 0, 0
+        self._host_s: collections.Counter = collections.Counter()
         self._step_s = cfg.samples_per_frame / cfg.sample_rate   # recent seconds per step (starts at real time)
 
     # -- public API (any thread) -------------------------------------------------------------------
@@ -430,7 +433,7 @@ class Scheduler:
                 frames_generated=self._frames_total, waiting_for_text=self._last_sat_out,
                 text_waits=self._text_waits,
                 capacity=self.runner.capacity, kv_cache_bytes=self.runner.cache.bytes_held(),
-                oom_recoveries=self._ooms)
+                oom_recoveries=self._ooms, host_seconds=dict(self._host_s))
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -555,7 +558,9 @@ class Scheduler:
                         kernels.launch.compiles - compiles)
         if self._steps != steps:
             self._step_s += STEP_TIME_SMOOTHING * (dt - self._step_s)
-            with self._lock:
+        with self._lock:
+            self._host_s.update({name: t / 1000 for name, t in ms.items()})
+            if self._steps != steps:
                 self._last_step_ms = dt * 1000
 
     # -- admission and prefill ---------------------------------------------------------------------

@@ -173,7 +173,7 @@ class FakeScheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(active=self.in_flight, queued=0, max_batch=self.max_batch, steps=0, last_step_ms=0.0,
                               last_batch_size=0, frames_generated=0, waiting_for_text=0, text_waits=0, capacity=0, kv_cache_bytes=0,
-                              oom_recoveries=0)
+                              oom_recoveries=0, host_seconds={})
 
     def stop(self, timeout=None) -> None:
         pass

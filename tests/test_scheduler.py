@@ -191,6 +191,8 @@ def test_64_concurrent_requests_of_different_lengths(model, voices, golden_npz, 
         check_stream(chunks, result, window=(1, 4))
     assert stats.active == 0 and stats.queued == 0 and stats.frames_generated == sum(r.frames for *_, r in done)
     assert stats.kv_cache_bytes == cache.bytes_held() > 0
+    phases = {"admission", "prefill", "step launch", "read-back", "vocoder launch", "audio out"}
+    assert set(stats.host_seconds) == phases and all(t > 0 for t in stats.host_seconds.values())
 
 
 def test_text_in_pieces_gives_the_same_codes(model, voices, overlap):

@@ -245,6 +245,8 @@ def test_metrics_parse_and_move(server):
     assert delta("qwen3_tts_decode_steps_total") >= FRAMES
     assert delta("qwen3_tts_batch_size_count") >= 1
     assert delta("qwen3_tts_event_loop_lag_seconds_count") >= 1
+    assert delta("qwen3_tts_engine_host_seconds_total", phase="step launch") > 0
+    assert delta("qwen3_tts_engine_host_seconds_total", phase="read-back") > 0
 
 
 def test_a_stalled_event_loop_is_measured_and_logged(server, caplog):
