@@ -34,7 +34,7 @@ class Metrics:
         self.underruns = Counter(PREFIX + "underruns", "Chunks ready after the audio before them had finished playing",
                                  registry=r)
         self.host_seconds = Counter(PREFIX + "engine_host_seconds", "The engine thread's time by phase of its iterations "
-                                    "(read-back: mostly waiting for the GPU)", ["phase"], registry=r)
+                                    "(read-back, audio out: mostly waiting for the GPU)", ["phase"], registry=r)
         self.loop_lag = Histogram(PREFIX + "event_loop_lag_seconds", "How late the server's event loop wakes up (sampled every 20 ms)",
                                   registry=r, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.gpu_memory = Gauge(PREFIX + "gpu_memory_bytes", "GPU memory held by PyTorch (all tensors, the allocator's total, the talker KV cache's pages)", ["kind"], registry=r)

@@ -96,7 +96,7 @@ class SchedulerStats:
     kv_cache_bytes: int      # device memory the talker cache holds now (pages in use and spare)
     oom_recoveries: int      # device out-of-memory errors recovered from
     host_seconds: dict       # the engine thread's seconds in each phase of its iterations since start
-                             # ("read-back" is mostly waiting for the GPU; the others are host work)
+                             # (on a GPU "read-back" and "audio out" mostly wait for it; the others are host work)
 
 
 Item = Union[AudioChunk, TurnResult]
