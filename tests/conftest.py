@@ -16,6 +16,9 @@ torch.set_num_threads(1)
 # the CPU); this must be set before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests that time launch configs (as on a GPU, with fake timings) must not keep their picks on disk
+# for later processes (`kernels.launch.TuningCache`); the cache's own test gives it a folder.
+os.environ.setdefault("QWEN3_TTS_TUNING_CACHE", "0")
 
 
 def _need_golden():

@@ -3,6 +3,8 @@
 The kernels run in Triton's interpreter on the CPU here (tests/triton_cpu.py), in fp32, where the
 fused and plain paths agree to rounding; on the GPU `bench/precision.py` compares them in bf16.
 """
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -440,6 +442,56 @@ def test_a_config_that_does_not_build_is_passed_over(kernels, monkeypatch, caplo
         best = kernels.launch.fastest(("a test key",), [{"n": n} for n in range(1, 6)], launch)
     assert best == {"n": 5}
     assert sum("does not build" in r.message for r in caplog.records) == 3
+
+
+def test_picks_are_kept_on_disk_for_the_next_process(kernels, monkeypatch, tmp_path):
+    """A config timed once is kept in the tuning cache's file; a later process (a fresh cache, no picks
+    in memory) takes it without timing, unless it is no longer one of its key's configs; another GPU
+    model, or other QWEN3_TTS_* settings, have a file of their own."""
+    launch = kernels.launch
+    gpu = {"name": "Test GPU"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Properties", (), dict(name=gpu["name"], major=9, minor=0)))
+    monkeypatch.setattr(launch, "PARALLEL_COMPILE", False)
+    timings = []
+    monkeypatch.setattr(launch, "timed", lambda time, config: timings.append(config) or (1.0 if config["n"] == 2 else 2.0))
+    key, configs = ("a test key", 7, torch.float16), [{"n": n, "warps": 4} for n in range(4)]
+
+    def new_process():
+        monkeypatch.setattr(launch, "fastest_configs", {})
+        monkeypatch.setattr(launch, "fastest_times", {})
+        monkeypatch.setattr(launch, "tuning_cache", launch.TuningCache(str(tmp_path)))
+
+    for _ in range(2):
+        new_process()
+        assert launch.fastest(key, configs, lambda config: None) is configs[2]
+        assert launch.fastest_times[key] == 1.0
+    assert len(timings) == 4                                  # the first process timed, the second read
+    assert os.path.dirname(launch.tuning_cache.path()) == str(tmp_path)
+    new_process()
+    assert launch.fastest(key, configs[:2] + configs[3:], lambda config: None) == configs[0]
+    assert len(timings) == 7                                  # its pick is gone from the configs: timed again
+    gpu["name"] = "Another GPU"
+    new_process()
+    assert launch.fastest(key, configs, lambda config: None) == configs[2] and len(timings) == 11
+    monkeypatch.setenv("QWEN3_TTS_PDL", "0")                  # settings that change what is timed: a file too
+    new_process()
+    assert launch.fastest(key, configs, lambda config: None) == configs[2] and len(timings) == 15
+    assert len(list(tmp_path.glob("launch-configs-*.json"))) == 3
+
+
+def test_the_tuning_cache_folder_comes_from_the_environment(kernels, monkeypatch, tmp_path):
+    launch = kernels.launch
+    monkeypatch.setenv("QWEN3_TTS_TUNING_CACHE", "0")
+    assert launch._tuning_cache() is None
+    monkeypatch.setenv("QWEN3_TTS_TUNING_CACHE", str(tmp_path / "picks"))
+    assert launch._tuning_cache().folder == str(tmp_path / "picks")
+    monkeypatch.delenv("QWEN3_TTS_TUNING_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert launch._tuning_cache().folder == str(tmp_path / "qwen3-tts-server")
 
 
 @pytest.fixture

@@ -15,12 +15,18 @@ let it launch only after its own wait, when the one before that had completed.
 
 Launch configs are timed once per key (the kernel's shapes) on the GPU (`fastest`), as a CUDA graph
 replays calls over copies of what the kernel streams from memory (`graph_time`): as a decode step's
-graph runs them. Elsewhere the first config (or one given for Triton's interpreter) is taken.
+graph runs them. Elsewhere the first config (or one given for Triton's interpreter) is taken. The
+picks are kept on disk (`TuningCache`): a later process on the same GPU model, with the same kernels
+and versions, takes them instead of timing again (a server's restart, the next benchmark).
 """
 from __future__ import annotations
 
 import functools
+import glob
+import hashlib
+import json
 import logging
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -85,6 +91,75 @@ log = logging.getLogger(__name__)
 PARALLEL_COMPILE = os.environ.get("QWEN3_TTS_PARALLEL_COMPILE", "1") != "0"
 
 
+class TuningCache:
+    """`fastest`'s picks on disk: one JSON file per GPU model, kernel sources (this package's files,
+    where the configs are listed), Triton and PyTorch versions and QWEN3_TTS_* settings (`PDL` and the
+    like change what is timed), so that any change starts a new file. A pick is taken only while it is still one of its key's configs. Each new pick is merged
+    into the file, which is then replaced whole: processes sharing it lose at most a race's entry."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._path: str | None = None
+        self._picks: dict | None = None
+        self._write_failed = False
+
+    def get(self, key) -> tuple[dict, float] | None:
+        """(config, milliseconds) picked for `key` by an earlier timing, or None."""
+        if self._picks is None:
+            self._picks = self._read()
+        entry = self._picks.get(repr(key))
+        return (entry["config"], entry["ms"]) if entry is not None else None
+
+    def put(self, key, config: dict, ms: float) -> None:
+        entry = {"config": config, "ms": ms}
+        self._picks = {**(self._picks or {}), repr(key): entry}
+        picks = {**self._read(), repr(key): entry}
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            part = f"{self.path()}.{os.getpid()}"
+            with open(part, "w") as f:
+                json.dump(picks, f)
+            os.replace(part, self.path())
+        except OSError as e:
+            if not self._write_failed:
+                log.warning("launch configs are not kept for the next start: %s", e)
+            self._write_failed = True
+
+    def path(self) -> str:
+        if self._path is None:
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            settings = sorted((k, v) for k, v in os.environ.items()
+                              if k.startswith("QWEN3_TTS_") and k != "QWEN3_TTS_TUNING_CACHE")
+            digest = hashlib.sha256(f"{props.name} sm{props.major}{props.minor} torch {torch.__version__} "
+                                    f"triton {triton.__version__} {settings}".encode())
+            for source in sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.py"))):
+                with open(source, "rb") as f:
+                    digest.update(f.read())
+            self._path = os.path.join(self.folder, f"launch-configs-{digest.hexdigest()[:16]}.json")
+        return self._path
+
+    def _read(self) -> dict:
+        try:
+            with open(self.path()) as f:
+                picks = json.load(f)
+            return picks if isinstance(picks, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+
+def _tuning_cache() -> TuningCache | None:
+    """QWEN3_TTS_TUNING_CACHE: the folder of the picks kept on disk (default: qwen3-tts-server in the
+    user's cache folder); "0": none, every process times its configs."""
+    folder = os.environ.get("QWEN3_TTS_TUNING_CACHE")
+    if folder == "0":
+        return None
+    default = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qwen3-tts-server")
+    return TuningCache(folder or default)
+
+
+tuning_cache = _tuning_cache()
+
+
 def fastest(key, configs: list[dict], launch, copies=None, off_gpu: dict | None = None) -> dict:
     """The fastest launch config of a kernel for `key` (its shapes), timed once on the GPU; the first
     config while a CUDA graph is being captured, and elsewhere (`off_gpu` where given: in Triton's
@@ -101,6 +176,11 @@ def fastest(key, configs: list[dict], launch, copies=None, off_gpu: dict | None 
             return off_gpu or configs[0]
         if torch.cuda.is_current_stream_capturing():
             return configs[0]
+        stored = tuning_cache.get(key) if tuning_cache is not None else None
+        if stored is not None and stored[0] in configs:
+            fastest_times[key] = stored[1]
+            best = fastest_configs[key] = configs[configs.index(stored[0])]
+            return best
         compile_candidates(configs, launch)
         if copies is None:
             time = lambda c: triton.testing.do_bench(lambda: launch(c), warmup=2, rep=10)  # noqa: E731
@@ -110,6 +190,8 @@ def fastest(key, configs: list[dict], launch, copies=None, off_gpu: dict | None 
         times = [timed(time, c) for c in configs]
         fastest_times[key] = min(times)
         best = fastest_configs[key] = configs[times.index(fastest_times[key])]
+        if tuning_cache is not None and math.isfinite(fastest_times[key]):
+            tuning_cache.put(key, best, fastest_times[key])
     return best
 
 
