@@ -161,8 +161,8 @@ tuning_cache = _tuning_cache()
 
 
 def fastest(key, configs: list[dict], launch, copies=None, off_gpu: dict | None = None) -> dict:
-    """The fastest launch config of a kernel for `key` (its shapes), timed once on the GPU; the first
-    config while a CUDA graph is being captured, and elsewhere (`off_gpu` where given: in Triton's
+    """The fastest launch config of a kernel for `key` (its shapes), timed once on the GPU (or picked
+    by an earlier process: `tuning_cache`); the first config while a CUDA graph is being captured, and elsewhere (`off_gpu` where given: in Triton's
     interpreter, which runs a grid's programs one after another in Python, the fewer the better).
     launch(config, compile_only=False): runs the kernel with that config, or only compiles it.
     copies(): launch functions like `launch` over copies of what the kernel streams from memory (its
@@ -174,13 +174,13 @@ def fastest(key, configs: list[dict], launch, copies=None, off_gpu: dict | None 
     if best is None:
         if not torch.cuda.is_available():
             return off_gpu or configs[0]
-        if torch.cuda.is_current_stream_capturing():
-            return configs[0]
         stored = tuning_cache.get(key) if tuning_cache is not None else None
         if stored is not None and stored[0] in configs:
             fastest_times[key] = stored[1]
             best = fastest_configs[key] = configs[configs.index(stored[0])]
             return best
+        if torch.cuda.is_current_stream_capturing():
+            return configs[0]
         compile_candidates(configs, launch)
         if copies is None:
             time = lambda c: triton.testing.do_bench(lambda: launch(c), warmup=2, rep=10)  # noqa: E731
