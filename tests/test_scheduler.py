@@ -550,3 +550,39 @@ def test_an_icl_voice_is_primed_once_and_copied_after(model64, voices):
     for chunks, result in results:
         assert result.frames == 6
         np.testing.assert_allclose(audio(chunks), one_shot(model64, result.codes, voice), rtol=0, atol=EXACT)
+
+
+def test_the_engine_loop_reads_nothing_back_but_its_results(model, voices, monkeypatch):
+    """On a GPU the host stays one step ahead only while nothing in an iteration waits for the device.
+    Turns joining and leaving the slots (ICL and x-vector, overlapped as on a GPU) make no `.item()`,
+    `.tolist()` or `.cpu()` on a tensor, and no `t[index] = <Python number>` (an upload from pageable
+    memory: on a GPU it waits for the step in flight, as the admissions' resets did; bench/README,
+    eighteenth session). The results come back as host copies (`engine.host.ToHost`), read with `.numpy()`."""
+    import traceback
+    waits = []
+
+    def note(what):
+        frames = [f for f in traceback.extract_stack() if "/engine/" in f.filename]
+        if frames:
+            waits.append(f"{what} at {frames[-1].filename.rsplit('/engine/')[-1]}:{frames[-1].lineno} {frames[-1].line}")
+
+    setitem = torch.Tensor.__setitem__
+
+    def checked_setitem(t, index, value):
+        parts = index if isinstance(index, tuple) else (index,)
+        if isinstance(value, (bool, int, float)) and any(isinstance(p, (torch.Tensor, list)) for p in parts):
+            note("t[index] = scalar")
+        return setitem(t, index, value)
+    monkeypatch.setattr(torch.Tensor, "__setitem__", checked_setitem)
+    for name in ("item", "tolist", "cpu"):
+        def read(t, *args, _name=name, _real=getattr(torch.Tensor, name), **kwargs):
+            note(_name)
+            return _real(t, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, read)
+    with Scheduler(model, 3, overlap=True) as sch:
+        handles = [sch.submit(request(voices, case, SamplingParams(seed=i, min_new_tokens=frames), max_frames=frames))
+                   for i, (case, frames) in enumerate([("xvec_en", 6), ("icl_en", 9), ("xvec_auto", 4),
+                                                       ("icl_zh", 7), ("xvec_en", 5)])]
+        results = [h.collect(60)[1] for h in handles]
+    assert [r.reason for r in results] == ["max_frames"] * 5
+    assert waits == []
