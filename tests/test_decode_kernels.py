@@ -457,7 +457,8 @@ def test_picks_are_kept_on_disk_for_the_next_process(kernels, monkeypatch, tmp_p
                         lambda device: type("Properties", (), dict(name=gpu["name"], major=9, minor=0)))
     monkeypatch.setattr(launch, "PARALLEL_COMPILE", False)
     timings = []
-    monkeypatch.setattr(launch, "timed", lambda time, config: timings.append(config) or (1.0 if config["n"] == 2 else 2.0))
+    monkeypatch.setattr(launch, "timed",
+                        lambda time, config: timings.append(config) or (1.0 if config["n"] == 2 else 2.0))
     key, configs = ("a test key", 7, torch.float16), [{"n": n, "warps": 4} for n in range(4)]
 
     def new_process():

@@ -553,28 +553,42 @@ def test_an_icl_voice_is_primed_once_and_copied_after(model64, voices):
 
 
 def test_the_engine_loop_reads_nothing_back_but_its_results(model, voices, monkeypatch):
-    """On a GPU the host stays one step ahead only while nothing in an iteration waits for the device.
-    Turns joining and leaving the slots (ICL and x-vector, overlapped as on a GPU) make no `.item()`,
-    `.tolist()` or `.cpu()` on a tensor, and no `t[index] = <Python number>` (an upload from pageable
-    memory: on a GPU it waits for the step in flight, as the admissions' resets did; bench/README,
-    eighteenth session). The results come back as host copies (`engine.host.ToHost`), read with `.numpy()`."""
+    """On a GPU the host stays one step ahead only while nothing in an iteration waits for the device. Turns
+    joining and leaving the slots (ICL and x-vector, overlapped as on a GPU) make no `.item()`, `.tolist()`,
+    `.cpu()`, `.nonzero()` or `t[mask]` on a tensor, and no `t[index] = <Python number>` (an upload from
+    pageable memory: on a GPU it waits for the step in flight, as the admissions' resets did; bench/README,
+    eighteenth session). The results come back as host copies (`engine.host.ToHost`), read with
+    `.numpy()`."""
     import traceback
     waits = []
 
     def note(what):
         frames = [f for f in traceback.extract_stack() if "/engine/" in f.filename]
         if frames:
-            waits.append(f"{what} at {frames[-1].filename.rsplit('/engine/')[-1]}:{frames[-1].lineno} {frames[-1].line}")
+            f = frames[-1]
+            waits.append(f"{what} at {f.filename.rsplit('/engine/')[-1]}:{f.lineno} {f.line}")
 
-    setitem = torch.Tensor.__setitem__
+    getitem, setitem = torch.Tensor.__getitem__, torch.Tensor.__setitem__
+
+    def masked(index):      # a boolean mask as an index: its size comes from the device (a nonzero)
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+
+    def checked_getitem(t, index):
+        if masked(index):
+            note("t[mask]")
+        return getitem(t, index)
 
     def checked_setitem(t, index, value):
         parts = index if isinstance(index, tuple) else (index,)
         if isinstance(value, (bool, int, float)) and any(isinstance(p, (torch.Tensor, list)) for p in parts):
             note("t[index] = scalar")
+        if masked(index):
+            note("t[mask] = ...")
         return setitem(t, index, value)
+    monkeypatch.setattr(torch.Tensor, "__getitem__", checked_getitem)
     monkeypatch.setattr(torch.Tensor, "__setitem__", checked_setitem)
-    for name in ("item", "tolist", "cpu"):
+    for name in ("item", "tolist", "cpu", "nonzero"):
         def read(t, *args, _name=name, _real=getattr(torch.Tensor, name), **kwargs):
             note(_name)
             return _real(t, *args, **kwargs)

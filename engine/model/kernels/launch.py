@@ -92,10 +92,11 @@ PARALLEL_COMPILE = os.environ.get("QWEN3_TTS_PARALLEL_COMPILE", "1") != "0"
 
 
 class TuningCache:
-    """`fastest`'s picks on disk: one JSON file per GPU model, kernel sources (this package's files,
-    where the configs are listed), Triton and PyTorch versions and QWEN3_TTS_* settings (`PDL` and the
-    like change what is timed), so that any change starts a new file. A pick is taken only while it is still one of its key's configs. Each new pick is merged
-    into the file, which is then replaced whole: processes sharing it lose at most a race's entry."""
+    """`fastest`'s picks on disk: one JSON file per GPU model, kernel sources (this package's files, where the
+    configs are listed), Triton and PyTorch versions and QWEN3_TTS_* settings (`PDL` and the like change
+    what is timed), so that any change starts a new file. A pick is taken only while it is still one of its
+    key's configs. Each new pick is merged into the file, which is then replaced whole: processes sharing it
+    lose at most a race's entry."""
 
     def __init__(self, folder: str):
         self.folder = folder
@@ -161,15 +162,15 @@ tuning_cache = _tuning_cache()
 
 
 def fastest(key, configs: list[dict], launch, copies=None, off_gpu: dict | None = None) -> dict:
-    """The fastest launch config of a kernel for `key` (its shapes), timed once on the GPU (or picked
-    by an earlier process: `tuning_cache`); the first config while a CUDA graph is being captured, and elsewhere (`off_gpu` where given: in Triton's
-    interpreter, which runs a grid's programs one after another in Python, the fewer the better).
-    launch(config, compile_only=False): runs the kernel with that config, or only compiles it.
-    copies(): launch functions like `launch` over copies of what the kernel streams from memory (its
-    weights, a cache's layers), together more than L2 holds: with them the configs are timed as a CUDA
-    graph replays calls over the copies one after the other (`graph_time`), as a decode step's graph
-    runs a layer's kernel after the one before, each on data not in L2. Without, each is timed eagerly
-    by `triton.testing.do_bench`, which flushes L2 between runs."""
+    """The fastest launch config of a kernel for `key` (its shapes), timed once on the GPU (or picked by an
+    earlier process: `tuning_cache`); the first config while a CUDA graph is being captured, and elsewhere
+    (`off_gpu` where given: in Triton's interpreter, which runs a grid's programs one after another in
+    Python, the fewer the better). launch(config, compile_only=False): runs the kernel with that config, or
+    only compiles it. copies(): launch functions like `launch` over copies of what the kernel streams from
+    memory (its weights, a cache's layers), together more than L2 holds: with them the configs are timed as
+    a CUDA graph replays calls over the copies one after the other (`graph_time`), as a decode step's graph
+    runs a layer's kernel after the one before, each on data not in L2. Without, each is timed eagerly by
+    `triton.testing.do_bench`, which flushes L2 between runs."""
     best = fastest_configs.get(key)
     if best is None:
         if not torch.cuda.is_available():
