@@ -270,9 +270,9 @@ def scheduler_does_not_wait_for_the_gpu(model) -> dict:
     """Turns joining and leaving a scheduler's slots frame by frame (12 turns of varied lengths through 4
     slots), with PyTorch's sync debug mode on: no engine code may wait for the GPU but where it reads
     results back (events, which the mode does not flag), captures a CUDA graph or times a kernel's launch
-    configs (a shape's first use) and empties the allocator with no session left. Any other wait leaves the GPU idle while the host works:
-    under steady load each admission's status read and each `t[idx] = 0` did (bench/README, eighteenth
-    session)."""
+    configs (a shape's first use) and empties the allocator with no session left. Any other wait leaves the
+    GPU idle while the host works: under steady load each admission's status read and each `t[idx] = 0` did
+    (bench/README, eighteenth session)."""
     import traceback
     import warnings
     voice = model.make_voice(np.random.default_rng(4).standard_normal(48000).astype(np.float32) * 0.1, 24000)
