@@ -95,9 +95,9 @@ class ModelRunner:
         self.alive = torch.zeros(s, dtype=torch.bool, device=dev)        # not finished: may advance
         self.params = SamplingTensors.from_params([SamplingParams(seed=0)] * s, dev)
         self.lengths = np.zeros(s, dtype=np.int64)   # host mirror of `length`: kmax without a device sync
-        # host mirrors of what can end a row at its first c0 (a prefill reads its status back only then)
-        self.max_frames = np.zeros(s, dtype=np.int64)
-        self.eos_at_once = np.zeros(s, dtype=bool)    # min_new_tokens 0: EOS may be the first c0
+        # rows whose first c0 may end them (a frame limit of 0, or EOS allowed at once: min_new_tokens 0):
+        # a prefill reads its status back only for them, or where it fills the cache
+        self.may_end_at_once = np.zeros(s, dtype=bool)
         self.graphs = None                            # engine.graphs.StepGraphs once enabled
         self.prefill_graphs = None                    # engine.graphs.PrefillGraphs once enabled
 
@@ -136,8 +136,7 @@ class ModelRunner:
         self.limit[idx] = to_device(max_frames, self.device, torch.long)
         self.alive.index_fill_(0, idx, True)
         self.lengths[slots] = 0
-        self.max_frames[slots] = max_frames
-        self.eos_at_once[slots] = [p.min_new_tokens < 1 for p in params]
+        self.may_end_at_once[slots] = [m < 1 or p.min_new_tokens < 1 for m, p in zip(max_frames, params)]
 
     # -- prefill ---------------------------------------------------------------------------------
 
@@ -177,7 +176,7 @@ class ModelRunner:
         self.alive[di] = status == RUNNING
         out = [RUNNING] * len(slots)
         ends = [slots[i] for i in done]
-        if not (self.eos_at_once[ends] | (self.max_frames[ends] < 1) | (self.lengths[ends] >= self.capacity)).any():
+        if not (self.may_end_at_once[ends] | (self.lengths[ends] >= self.capacity)).any():
             return out    # no row can have ended: no read-back, which would wait for the step in flight
         for i, st in zip(done, status.cpu().tolist()):
             out[i] = st
