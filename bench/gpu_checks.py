@@ -295,8 +295,7 @@ def scheduler_does_not_wait_for_the_gpu(model) -> dict:
                        for i, n in enumerate(lengths)]
             return [h.collect(timeout=300) for h in handles]
         turns(0)            # graphs captured on first use, the allocator warmed
-        shown = warnings.showwarning
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():          # which puts the filters and showwarning back
             warnings.simplefilter("always")
             warnings.showwarning = record
             torch.cuda.set_sync_debug_mode("warn")
@@ -304,7 +303,6 @@ def scheduler_does_not_wait_for_the_gpu(model) -> dict:
                 results = turns(100)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-                warnings.showwarning = shown
     complete = all(r.reason == "max_frames" for _, r in results)
     return dict(check="scheduler_does_not_wait_for_the_gpu", turns=len(results), waits=sum(sites.values()),
                 sites=sorted(sites, key=sites.get, reverse=True)[:6], ok=complete and not sites)

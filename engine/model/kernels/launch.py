@@ -112,14 +112,12 @@ class TuningCache:
         return (entry["config"], entry["ms"]) if entry is not None else None
 
     def put(self, key, config: dict, ms: float) -> None:
-        entry = {"config": config, "ms": ms}
-        self._picks = {**(self._picks or {}), repr(key): entry}
-        picks = {**self._read(), repr(key): entry}
+        self._picks = {**self._read(), repr(key): {"config": config, "ms": ms}}   # others' picks since kept too
         try:
             os.makedirs(self.folder, exist_ok=True)
             part = f"{self.path()}.{os.getpid()}"
             with open(part, "w") as f:
-                json.dump(picks, f)
+                json.dump(self._picks, f)
             os.replace(part, self.path())
         except OSError as e:
             if not self._write_failed:
