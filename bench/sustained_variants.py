@@ -32,13 +32,19 @@ from engine.requests import SamplingParams, SpeechRequest
 from engine.scheduler import Scheduler
 
 
+# name -> (without the first-window read-back, the vocoder stream at high priority: CUDA only)
+VARIANTS = {"as-is": (False, False), "no-first-window-path": (True, False), "vocoder-priority": (False, True),
+            "both": (True, True)}
+
+
 @contextlib.contextmanager
 def variant(scheduler: Scheduler, name: str):
-    """The scheduler changed as `name` says while the context lasts."""
+    """The scheduler changed as `name` (one of VARIANTS) says while the context lasts."""
+    no_first_window_path, vocoder_priority = VARIANTS[name]
     with contextlib.ExitStack() as stack:
-        if name in ("no-first-window-path", "both"):
+        if no_first_window_path:
             stack.enter_context(mock.patch.object(scheduler.vocoder, "first_window_closes", lambda slots: False))
-        if name in ("vocoder-priority", "both"):
+        if vocoder_priority:
             vocoder_stream = scheduler.vocoder.stream
             torch.cuda.synchronize()           # the old stream's work done before the new one takes over
             stack.enter_context(mock.patch.object(vocoder_stream, "stream", torch.cuda.Stream(priority=-1)))
@@ -81,12 +87,15 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=640)
     ap.add_argument("--frames", type=int, default=125, help="mean frames a turn (+-25%%)")
     ap.add_argument("--vocoder-batch", type=int, default=64)
-    ap.add_argument("--variants", default="as-is,no-first-window-path,vocoder-priority,both")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
     ap.add_argument("--lazy", action="store_true",
                     help="no warm-up: graphs and kernels made on first use, by a first load of the same shape "
                          "(on a fresh machine it starts timing sooner)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    names = args.variants.split(",")
+    if set(names) - set(VARIANTS):
+        ap.error(f"unknown variants: {', '.join(sorted(set(names) - set(VARIANTS)))}")
 
     cuda = torch.device(args.device).type == "cuda"
     model = load_model(args.model_dir, device=args.device, dtype=getattr(torch, args.dtype))
@@ -99,8 +108,8 @@ def main() -> None:
         # the allocator warmed, and without the warm-up every graph and kernel the load needs made
         run_sustained(scheduler, voice, args.slots + args.slots // 2, args.slots, args.frames if args.lazy else 8,
                       seed0=99)
-        for name in args.variants.split(","):
-            if name in ("vocoder-priority", "both") and not cuda:
+        for name in names:
+            if VARIANTS[name][1] and not cuda:     # stream priorities are CUDA's
                 continue
             emit({"peer": "qwen3-tts-server", "kind": "sustained_variant", "device": args.device,
                   **run_variant(scheduler, voice, name, args.turns, args.slots, args.frames)}, args.out)
