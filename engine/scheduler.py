@@ -25,18 +25,18 @@ Each iteration of the engine loop:
      the last frames of the sessions that ended; on a GPU they run on a stream of their own, beside
      the next step.
 
-The host thus works one step behind the GPU, which always has the next step queued: the host's
-work per frame (admissions, bookkeeping, sending audio) is hidden behind the device's, where it used
-to leave the GPU idle. It is hidden only while nothing else in the iteration waits for the GPU (a
+The host thus works one step behind the GPU, which always has the next step queued: the host's work
+per frame (admissions, bookkeeping, sending audio) is hidden behind the device's, where it used to
+leave the GPU idle. It is hidden only while nothing else in the iteration waits for the GPU (a
 `.cpu()`, or `t[idx] = 0` on a device tensor, which uploads the scalar from pageable memory): with
 such waits at each admission a steady load ran at half a burst's rate (bench/README, eighteenth
-session; `bench.gpu_checks`' `scheduler_does_not_wait_for_the_gpu` looks for them). A row that ended in the step being read back was already launched again in
-the next one; the device keeps it finished (`ModelRunner`), and its frame there is dropped. A
-window's audio thus reaches its listener one step after its last frame is made, except a session's
-first: when the step in flight closes a first window, the iteration reads it back before launching
-the next step (5, 6, then 4), so time to first audio does not wait for one more step. On the CPU
-(`overlap` off) a launch is the work itself: each iteration reads its own step back at once and
-sends its windows' audio in the same iteration.
+session; `bench.gpu_checks`' `scheduler_does_not_wait_for_the_gpu` looks for them). A row that ended
+in the step being read back was already launched again in the next one; the device keeps it finished
+(`ModelRunner`), and its frame there is dropped. A window's audio thus reaches its listener one step
+after its last frame is made, except a session's first: when the step in flight closes a first
+window, the iteration reads it back before launching the next step (5, 6, then 4), so time to first
+audio does not wait for one more step. On the CPU (`overlap` off) a launch is the work itself: each
+iteration reads its own step back at once and sends its windows' audio in the same iteration.
 
 Sampling is batch-invariant (`engine.sampling`): a request with a seed gives the same codes alone or
 in any batch, at any arrival frame. The talker KV cache is paged (`engine.kv_cache`): admission
