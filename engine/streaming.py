@@ -46,16 +46,20 @@ class WindowPolicy:
     for the next size takes its missing frames at `step_s` each, plus two: the step that runs while
     the window is decoded (a scheduler overlapping the host with the GPU sends a window's audio once
     the next step has run; reading back at once, on the CPU, it is one frame of slack), and the way
-    out. So windows grow to `rest` (fewer, fatter vocoder calls) while generation is well
-    ahead of real time and stay small near it: frames made at least as fast as they play never
-    leave playback empty.
+    out; and `reserve_s` more, for steps slower than the estimate (a recent average: it lags while
+    sessions join and the steps grow, and cannot see a slow one coming). So windows grow to `rest`
+    (fewer, fatter vocoder calls) while generation is well ahead of real time and stay small near
+    it: frames made at least as fast as they play never leave playback empty.
     """
     first: int = 2
     rest: int = 8
+    reserve_s: float = 0.08
 
     def __post_init__(self):
         if self.first < 1 or self.rest < 1:
             raise ValueError(f"window sizes must be >= 1 frame, got {self.first}, {self.rest}")
+        if self.reserve_s < 0:
+            raise ValueError(f"the reserve must be >= 0 s, got {self.reserve_s}")
 
     def sizes(self) -> list[int]:
         """The window sizes a window closes at (for CUDA graph capture)."""
@@ -71,7 +75,7 @@ class WindowPolicy:
         sizes = np.asarray(self.sizes())
         nxt = sizes[np.minimum(np.searchsorted(sizes, pending, side="right"), len(sizes) - 1)]
         at_size = np.isin(pending, sizes)
-        running_dry = held_s < (nxt - pending + 2) * step_s
+        running_dry = held_s < (nxt - pending + 2) * step_s + self.reserve_s
         return np.where(decoded == 0, pending >= self.first, (pending >= sizes[-1]) | (at_size & running_dry))
 
 
