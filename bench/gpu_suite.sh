@@ -55,11 +55,10 @@ if has throughput; then
     done
   done
 fi
-# the scheduler's iteration in variants under a steady load, one process (LAZY=1: no warm-up, kernels
-# and graphs made by a first load: on a fresh machine the timing starts sooner)
+# the scheduler's iteration in variants under a steady load, one process
 if has variants; then
   timeout 420 python3 -m bench.sustained_variants --model-dir "$MODEL" --slots ${VARIANT_SLOTS:-256} \
-    --turns ${VARIANT_TURNS:-640} ${LAZY:+--lazy} --out "$R" > "$OUTD/variants.log" 2>&1
+    --turns ${VARIANT_TURNS:-640} --out "$R" > "$OUTD/variants.log" 2>&1
   echo "sustained variants rc=$? at $((SECONDS-t0)) s"
 fi
 if has checks; then

@@ -88,9 +88,6 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=125, help="mean frames a turn (+-25%%)")
     ap.add_argument("--vocoder-batch", type=int, default=64)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
-    ap.add_argument("--lazy", action="store_true",
-                    help="no warm-up: graphs and kernels made on first use, by a first load of the same shape "
-                         "(on a fresh machine it starts timing sooner)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     names = args.variants.split(",")
@@ -102,12 +99,9 @@ def main() -> None:
     voice = model.make_voice(np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1, 24000)
     scheduler = Scheduler(model, max_batch=args.slots, vocoder_batch=args.vocoder_batch,
                           max_queue=max(1024, args.turns))
-    if not args.lazy:
-        scheduler.warmup(max_live=int(args.frames * 1.25) + 128)
+    scheduler.warmup(max_live=int(args.frames * 1.25) + 128)
     with scheduler:
-        # the allocator warmed, and without the warm-up every graph and kernel the load needs made
-        run_sustained(scheduler, voice, args.slots + args.slots // 2, args.slots, args.frames if args.lazy else 8,
-                      seed0=99)
+        run_sustained(scheduler, voice, args.slots + args.slots // 2, args.slots, 8, seed0=99)   # the allocator warmed
         for name in names:
             if VARIANTS[name][1] and not cuda:     # stream priorities are CUDA's
                 continue
