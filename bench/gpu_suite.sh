@@ -61,6 +61,12 @@ if has variants; then
     --turns ${VARIANT_TURNS:-640} --out "$R" > "$OUTD/variants.log" 2>&1
   echo "sustained variants rc=$? at $((SECONDS-t0)) s"
 fi
+# the GPU's busy and idle time a step, stream by stream, in the middle of a steady load
+if has timeline; then
+  timeout 300 python3 -m bench.steady_timeline --model-dir "$MODEL" --slots ${TIMELINE_SLOTS:-256} \
+    --turns ${TIMELINE_TURNS:-1024} --out "$R" > "$OUTD/timeline.log" 2>&1
+  echo "steady timeline rc=$? at $((SECONDS-t0)) s"
+fi
 if has checks; then
   timeout 200 python3 -m bench.gpu_checks --model-dir "$MODEL" ${CHECKS:+--only $CHECKS} --out "$R" > "$OUTD/checks.log" 2>&1
   echo "checks rc=$? at $((SECONDS-t0)) s"

@@ -1,7 +1,8 @@
-"""bench/throughput.py's sustained load and bench/sustained_variants.py, on the CPU with the tiny model
-(benches, not speed checks)."""
+"""bench/throughput.py's sustained load, bench/sustained_variants.py and bench/steady_timeline.py, on
+the CPU with the tiny model (benches, not speed checks)."""
 import numpy as np
 
+from bench.steady_timeline import busy_ns, profile_steady, summarize
 from bench.sustained_variants import run_variant
 from bench.throughput import run_sustained
 from engine.loader import load_model
@@ -35,3 +36,24 @@ def test_sustained_variants_change_the_scheduler_only_while_they_run(tiny_model_
         assert row["variant"] == name and row["turns"] == 5 and row["rtf_steady"] > 0 and row["ttfa_idle_ms"] > 0
         assert {"read-back", "step launch", "admission"} <= set(row["host_ms_per_step"])
         assert all(ms > 0 for ms in row["host_ms_per_step"].values())
+
+
+def test_timeline_counts_overlapping_kernels_once_and_the_gaps_as_idle():
+    assert busy_ns([(0, 10), (5, 15), (20, 30), (22, 25)]) == 25 and busy_ns([]) == 0
+    # two steps of 20 ms wall; stream 1 busy 0-10 and 12-16 ms, stream 2 (the vocoder) 8-14 ms: 16 ms busy
+    ms = 1_000_000
+    activity = [(0, 10 * ms, 1, "step"), (12 * ms, 16 * ms, 1, "step"), (8 * ms, 14 * ms, 2, "vocoder")]
+    row = summarize(activity, steps=2, wall_ns=40 * ms)
+    assert (row["wall_ms_per_step"], row["gpu_busy_ms_per_step"], row["gpu_idle_ms_per_step"]) == (20, 8, 12)
+    assert row["streams"]["1"] == {"busy_ms": 7, "kernels": 1, "top": {"step": 7}}
+    assert row["streams"]["2"] == {"busy_ms": 3, "kernels": 0.5, "top": {"vocoder": 3}}
+
+
+def test_steady_timeline_profiles_steps_in_the_middle_of_a_steady_load(tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    voice = model.make_voice(np.random.default_rng(0).standard_normal(24000).astype(np.float32) * 0.1, 24000)
+    with Scheduler(model, max_batch=2) as scheduler:
+        row = profile_steady(scheduler, voice, turns=8, slots=2, frames=8, steps=4)
+        assert scheduler.stats().steps > row["steps"] >= 4          # more steps ran before and after the window
+    assert row["slots"] == 2 and row["wall_ms_per_step"] > 0
+    assert row["streams"] == {} and row["gpu_busy_ms_per_step"] == 0     # no GPU here: no device activity

@@ -1,0 +1,112 @@
+"""Where a steady load's frames go on the GPU: each CUDA stream's busy time and the GPU's idle time in
+served iterations, from the kernel timeline.
+
+Through 256 slots of an H100 a steady load (turns ending and joining frame by frame) ran at 915x where
+turns started together ran at 1,164x (bench/README.md, call DM). The missing time is either more GPU
+work (prefills, the small windows of new sessions) or the GPU waiting for the host; the timeline of a
+few dozen iterations in the middle of such a load tells which: per decode step, the wall time, the
+time any kernel ran (the union over streams), each stream's busy time and its kernels.
+
+    python -m bench.steady_timeline --model-dir /tmp/rand06b --slots 256 --turns 1024 --out results.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import threading
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.results import emit
+from bench.throughput import run_sustained
+from engine.loader import load_model
+from engine.scheduler import Scheduler
+
+
+def busy_ns(intervals: list[tuple[int, int]]) -> int:
+    """Nanoseconds covered by the union of [start, end) intervals."""
+    total, covered_to = 0, None
+    for start, end in sorted(intervals):
+        if covered_to is None or start >= covered_to:
+            total += end - start
+            covered_to = end
+        elif end > covered_to:
+            total += end - covered_to
+            covered_to = end
+    return total
+
+
+def gpu_activity(prof) -> list[tuple[int, int, int, str]]:
+    """(start ns, end ns, stream, name) of every kernel, copy and memset the profile saw on the GPU."""
+    return [(e.start_ns(), e.end_ns(), e.device_resource_id(), e.name())
+            for e in prof.profiler.kineto_results.events()
+            if e.device_type() == torch.autograd.DeviceType.CUDA and e.end_ns() > e.start_ns()]
+
+
+def summarize(activity: list[tuple[int, int, int, str]], steps: int, wall_ns: int, top: int = 12) -> dict:
+    """Per decode step: the wall time, the time some kernel ran, the idle rest, and each stream's busy
+    time with its largest kernels (ms a step)."""
+    per_step = max(steps, 1) * 1e6
+    streams = collections.defaultdict(list)
+    for start, end, stream, name in activity:
+        streams[stream].append((start, end, name))
+    by_stream = {}
+    for stream, runs in streams.items():
+        kernels = collections.Counter()
+        for start, end, name in runs:
+            kernels[name[:80]] += end - start
+        by_stream[str(stream)] = dict(busy_ms=round(busy_ns([(s, e) for s, e, _ in runs]) / per_step, 3),
+                                      kernels=len(runs) / max(steps, 1),
+                                      top={name: round(ns / per_step, 3) for name, ns in kernels.most_common(top)})
+    busy = busy_ns([(s, e) for s, e, _, _ in activity]) / per_step
+    wall = wall_ns / per_step
+    return dict(steps=steps, wall_ms_per_step=round(wall, 3), gpu_busy_ms_per_step=round(busy, 3),
+                gpu_idle_ms_per_step=round(wall - busy, 3), streams=by_stream)
+
+
+def profile_steady(scheduler: Scheduler, voice, turns: int, slots: int, frames: int, steps: int) -> dict:
+    """`turns` turns through `slots` slots (`bench.throughput.run_sustained`), profiled for `steps`
+    decode steps from the first turn's end on (every slot busy, turns joining and ending)."""
+    load = threading.Thread(target=run_sustained, args=(scheduler, voice, turns, slots, frames, 0))
+    load.start()
+    first_end = int(frames * 0.75) + 8          # the shortest turn of the first slots has ended by then
+    while scheduler.stats().steps < first_end and load.is_alive():
+        time.sleep(0.001)
+    with profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]) as prof:
+        t0, start = time.perf_counter_ns(), scheduler.stats().steps
+        while scheduler.stats().steps < start + steps and load.is_alive():
+            time.sleep(0.0005)
+        wall, done = time.perf_counter_ns() - t0, scheduler.stats().steps - start
+    load.join()
+    return dict(slots=slots, turns=turns, **summarize(gpu_activity(prof), done, wall))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--slots", type=int, default=256)
+    ap.add_argument("--turns", type=int, default=1024)
+    ap.add_argument("--frames", type=int, default=125, help="mean frames a turn (+-25%%)")
+    ap.add_argument("--steps", type=int, default=48, help="decode steps to profile")
+    ap.add_argument("--vocoder-batch", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    model = load_model(args.model_dir, device=args.device, dtype=getattr(torch, args.dtype))
+    voice = model.make_voice(np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1, 24000)
+    scheduler = Scheduler(model, max_batch=args.slots, vocoder_batch=args.vocoder_batch,
+                          max_queue=max(1024, args.turns))
+    scheduler.warmup(max_live=int(args.frames * 1.25) + 128)
+    with scheduler:
+        run_sustained(scheduler, voice, args.slots, args.slots, 8, seed0=99)     # the allocator warmed
+        emit({"peer": "qwen3-tts-server", "kind": "steady_timeline", "device": args.device,
+              **profile_steady(scheduler, voice, args.turns, args.slots, args.frames, args.steps)}, args.out)
+
+
+if __name__ == "__main__":
+    main()
