@@ -16,13 +16,11 @@ import collections
 import threading
 import time
 
-import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.results import emit
-from bench.throughput import run_sustained
-from engine.loader import load_model
+from bench.throughput import add_steady_load_args, run_sustained, steady_load
 from engine.scheduler import Scheduler
 
 
@@ -86,27 +84,12 @@ def profile_steady(scheduler: Scheduler, voice, turns: int, slots: int, frames: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model-dir", required=True)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--slots", type=int, default=256)
-    ap.add_argument("--turns", type=int, default=1024)
-    ap.add_argument("--frames", type=int, default=125, help="mean frames a turn (+-25%%)")
+    add_steady_load_args(ap, turns=1024)
     ap.add_argument("--steps", type=int, default=48, help="decode steps to profile")
-    ap.add_argument("--vocoder-batch", type=int, default=64)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
-
-    model = load_model(args.model_dir, device=args.device, dtype=getattr(torch, args.dtype))
-    voice = model.make_voice(np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1, 24000)
-    scheduler = Scheduler(model, max_batch=args.slots, vocoder_batch=args.vocoder_batch,
-                          max_queue=max(1024, args.turns))
-    scheduler.warmup(max_live=int(args.frames * 1.25) + 128)
-    with scheduler:
-        run_sustained(scheduler, voice, args.slots, args.slots, 8, seed0=99)     # the allocator warmed
+    with steady_load(args) as (scheduler, voice):
         emit({"peer": "qwen3-tts-server", "kind": "steady_timeline", "device": args.device,
               **profile_steady(scheduler, voice, args.turns, args.slots, args.frames, args.steps)}, args.out)
-
 
 if __name__ == "__main__":
     main()

@@ -26,8 +26,7 @@ import numpy as np
 import torch
 
 from bench.results import emit
-from bench.throughput import run_sustained
-from engine.loader import load_model
+from bench.throughput import add_steady_load_args, run_sustained, steady_load
 from engine.requests import SamplingParams, SpeechRequest
 from engine.scheduler import Scheduler
 
@@ -80,34 +79,18 @@ def run_variant(scheduler: Scheduler, voice, name: str, turns: int, slots: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model-dir", required=True)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--slots", type=int, default=256)
-    ap.add_argument("--turns", type=int, default=640)
-    ap.add_argument("--frames", type=int, default=125, help="mean frames a turn (+-25%%)")
-    ap.add_argument("--vocoder-batch", type=int, default=64)
+    add_steady_load_args(ap, turns=640)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     names = args.variants.split(",")
     if set(names) - set(VARIANTS):
         ap.error(f"unknown variants: {', '.join(sorted(set(names) - set(VARIANTS)))}")
-
-    cuda = torch.device(args.device).type == "cuda"
-    model = load_model(args.model_dir, device=args.device, dtype=getattr(torch, args.dtype))
-    voice = model.make_voice(np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1, 24000)
-    scheduler = Scheduler(model, max_batch=args.slots, vocoder_batch=args.vocoder_batch,
-                          max_queue=max(1024, args.turns))
-    scheduler.warmup(max_live=int(args.frames * 1.25) + 128)
-    with scheduler:
-        run_sustained(scheduler, voice, args.slots + args.slots // 2, args.slots, 8, seed0=99)   # the allocator warmed
+    with steady_load(args) as (scheduler, voice):
         for name in names:
-            if VARIANTS[name][1] and not cuda:     # stream priorities are CUDA's
+            if VARIANTS[name][1] and torch.device(args.device).type != "cuda":     # stream priorities are CUDA's
                 continue
             emit({"peer": "qwen3-tts-server", "kind": "sustained_variant", "device": args.device,
                   **run_variant(scheduler, voice, name, args.turns, args.slots, args.frames)}, args.out)
-
 
 if __name__ == "__main__":
     main()

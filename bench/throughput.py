@@ -16,6 +16,7 @@ Rows are JSON lines in the format of ../shared/peers (peer "qwen3-tts-server"), 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import threading
 import time
 
@@ -102,6 +103,32 @@ def run_sustained(scheduler: Scheduler, voice, turns: int, slots: int, frames: i
                 rtf_aggregate=total_frames * FRAME_S / wall, steady_s=full_to - full_from,
                 rtf_steady=steady / scheduler.model.config.sample_rate / (full_to - full_from),
                 ttfa_s=float(np.median([c[0][0] for c in chunks[:slots]])))
+
+
+def add_steady_load_args(ap: argparse.ArgumentParser, turns: int) -> None:
+    """The options of a bench that runs steady loads (`steady_load`): model, slots, turns and their length."""
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--slots", type=int, default=256)
+    ap.add_argument("--turns", type=int, default=turns)
+    ap.add_argument("--frames", type=int, default=125, help="mean frames a turn (+-25%%)")
+    ap.add_argument("--vocoder-batch", type=int, default=64, help="as the suite's throughput stage runs")
+    ap.add_argument("--out", default=None)
+
+
+@contextlib.contextmanager
+def steady_load(args: argparse.Namespace):
+    """(a started scheduler of `args.slots` slots, a voice) for `run_sustained` loads of `args.turns`
+    turns: warmed up, and its allocator warmed by a short load."""
+    model = load_model(args.model_dir, device=args.device, dtype=getattr(torch, args.dtype))
+    voice = model.make_voice(np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1, 24000)
+    scheduler = Scheduler(model, max_batch=args.slots, vocoder_batch=args.vocoder_batch,
+                          max_queue=max(1024, args.turns))
+    scheduler.warmup(max_live=int(args.frames * 1.25) + 128)
+    with scheduler:
+        run_sustained(scheduler, voice, args.slots + args.slots // 2, args.slots, 8, seed0=99)
+        yield scheduler, voice
 
 
 def main() -> None:
