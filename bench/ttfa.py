@@ -22,7 +22,7 @@ import random
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 from urllib.parse import urlsplit, urlunsplit
 
@@ -86,6 +86,7 @@ class TurnStats:
     wall_s: float = 0.0
     rtf: float = 0.0
     underruns: int = 0
+    dry: list = field(default_factory=list)     # each underrun: (audio s delivered before it, ms playback stood still)
     reason: Optional[str] = None
     server_ttfa_ms: Optional[float] = None
     error: Optional[str] = None
@@ -93,17 +94,21 @@ class TurnStats:
 
 @dataclass
 class Playback:
-    """The listener's clock (see the module docstring)."""
+    """The listener's clock (see the module docstring); `dry` says where each underrun fell in the turn
+    (after how many seconds of audio: 0.16 is the second chunk of a 2-frame first window) and how long
+    playback stood still."""
     rate: int
     start: Optional[float] = None
     samples: int = 0
     underruns: int = 0
+    dry: list = field(default_factory=list)
 
     def add(self, now: float, samples: int) -> None:
         if self.start is None:
             self.start = now
         elif now - self.start > self.samples / self.rate:
             self.underruns += 1
+            self.dry.append((round(self.samples / self.rate, 3), round((now - self.start - self.samples / self.rate) * 1000, 1)))
             self.start = now - self.samples / self.rate
         self.samples += samples
 
@@ -155,7 +160,7 @@ async def run_session(index: int, args, rng: random.Random, results: list) -> No
                 stats.wall_s = time.perf_counter() - sent
                 stats.audio_s = play.samples / args.sample_rate
                 stats.rtf = stats.audio_s / stats.wall_s if stats.wall_s > 0 else 0.0
-                stats.underruns = play.underruns
+                stats.underruns, stats.dry = play.underruns, play.dry
     except Exception as e:      # a failed session is a result too
         results.append(TurnStats(index, -1, 0, error=f"{type(e).__name__}: {e}"))
 
@@ -178,6 +183,7 @@ def summarize(results: list[TurnStats], wall_s: float) -> dict:
         "server_ttfa_ms": percentiles([r.server_ttfa_ms for r in ok if r.server_ttfa_ms is not None]),
         "rtf": {**percentiles([r.rtf for r in ok]), "min": min((r.rtf for r in ok), default=None)},
         "underruns": sum(r.underruns for r in ok), "turns_with_underruns": sum(1 for r in ok if r.underruns),
+        "dry": [[r.session, r.turn, *d] for r in ok for d in r.dry],     # (session, turn, audio s before, ms still)
         "audio_s": audio, "wall_s": wall_s, "aggregate_rtf": audio / wall_s if wall_s > 0 else 0.0,
     }
 
@@ -212,6 +218,8 @@ def print_summary(summary: dict) -> None:
     print(f"underruns {summary['underruns']} in {summary['turns_with_underruns']} turns "
           f"(server-side: {'-' if server is None else int(server)}); "
           f"audio {summary['audio_s']:.1f} s in {summary['wall_s']:.1f} s (aggregate x{summary['aggregate_rtf']:.1f})")
+    for session, turn, at_s, ms in summary["dry"][:20]:
+        print(f"  ran dry: session {session} turn {turn} after {at_s:.2f} s of audio, for {ms:.0f} ms")
 
 
 def main(argv=None) -> int:

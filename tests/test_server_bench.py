@@ -24,6 +24,7 @@ def test_playback_clock_counts_gaps():
     play.add(0.25, 100)     # late: underrun, playback resumes at 0.25 until 0.35
     play.add(0.30, 100)     # in time
     assert play.underruns == 1 and play.samples == 400
+    assert play.dry == [(0.2, 50.0)]      # after 0.2 s of audio, 50 ms of silence
 
 
 def test_bench_against_a_server(tiny_model_dir, tmp_path):
@@ -36,7 +37,7 @@ def test_bench_against_a_server(tiny_model_dir, tmp_path):
         report = asyncio.run(ttfa.run(ns))
     s = report["summary"]
     assert s["turns"] == s["turns_ok"] == 12 and not s["errors"]
-    assert s["underruns"] == 0 and s["server_underruns"] == 0
+    assert s["underruns"] == 0 and s["server_underruns"] == 0 and s["dry"] == []
     assert s["audio_s"] == pytest.approx(12 * 10 * 0.08)
     assert 0 < s["ttfa_ms"]["p50"] <= s["ttfa_ms"]["p95"] <= s["ttfa_ms"]["p99"] < 2000
     assert all(t["rtf"] > 1 for t in report["turns"])
@@ -53,3 +54,6 @@ def test_bench_reports_the_servers_underruns_beside_its_own(tiny_model_dir, tmp_
                                 sample_rate=24000, api_key=None, timeout=30.0, seed=1, json=None)
         s = asyncio.run(ttfa.run(ns))["summary"]
     assert s["underruns"] == 3 and s["server_underruns"] == 3
+    # after 1, 2 and 3 chunks of 80 ms, each ~120 ms late (chunks 200 ms apart)
+    assert [(session, at_s) for session, _, at_s, _ in s["dry"]] == [(0, 0.08), (0, 0.16), (0, 0.24)]
+    assert all(60 < ms < 400 for *_, ms in s["dry"])
