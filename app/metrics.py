@@ -64,18 +64,22 @@ class Metrics:
 
 class PlaybackClock:
     """Counts underruns as a listener would hear them: playback starts with the first chunk and runs
-    at real time; a chunk that arrives after everything before it has played is an underrun."""
+    at real time; a chunk that arrives after everything before it has played is an underrun. `dry`
+    says where each fell: (seconds of audio before it, milliseconds playback stood still)."""
 
     def __init__(self, rate: int):
         self.rate = rate
         self.start = None
         self.samples = 0
         self.underruns = 0
+        self.dry: list[tuple[float, float]] = []
 
     def add(self, now: float, samples: int) -> None:
         if self.start is None:
             self.start = now
         elif now - self.start > self.samples / self.rate:
             self.underruns += 1
-            self.start = now - self.samples / self.rate   # playback resumes with this chunk
+            played = self.samples / self.rate
+            self.dry.append((round(played, 3), round((now - self.start - played) * 1000, 1)))
+            self.start = now - played   # playback resumes with this chunk
         self.samples += samples

@@ -303,6 +303,9 @@ class Session:
                 self.audio(turn, offset, data)
         wall = time.monotonic() - t0
         self.svc.metrics.observe_turn(result.samples / MODEL_RATE, wall, result.ttfa_ms, clock.underruns)
+        if clock.dry:
+            log.warning("turn %s/%s: playback ran dry %d times (after s of audio, for ms: %s)", self.id, turn.id,
+                        len(clock.dry), ", ".join(f"{at}: {ms:.0f}" for at, ms in clock.dry[:8]))
         self.finish(turn, "cancelled" if turn.cancelled else result.reason, result.frames, result.ttfa_ms, wall,
                     notify=not self.closing, queue_ms=waited_ms + result.queue_ms)
 

@@ -45,7 +45,7 @@ def test_bench_against_a_server(tiny_model_dir, tmp_path):
     assert len(turns) == 12 and all(r.sampling.greedy for r in turns)
 
 
-def test_bench_reports_the_servers_underruns_beside_its_own(tiny_model_dir, tmp_path):
+def test_bench_reports_the_servers_underruns_beside_its_own(tiny_model_dir, tmp_path, caplog):
     # 1-frame chunks (80 ms of audio) every 200 ms: every chunk after the first comes late
     fake = FakeScheduler(load_model(tiny_model_dir), capacity=8, frames=4, frames_per_chunk=1, step_s=0.2)
     with ServerThread(Settings(voices_dir=str(tmp_path)), scheduler=fake) as srv:
@@ -57,3 +57,5 @@ def test_bench_reports_the_servers_underruns_beside_its_own(tiny_model_dir, tmp_
     # after 1, 2 and 3 chunks of 80 ms, each ~120 ms late (chunks 200 ms apart)
     assert [(session, at_s) for session, _, at_s, _ in s["dry"]] == [(0, 0.08), (0, 0.16), (0, 0.24)]
     assert all(60 < ms < 400 for *_, ms in s["dry"])
+    # the server logs where its own clock heard them
+    assert "playback ran dry 3 times (after s of audio, for ms: 0.08: " in caplog.text
