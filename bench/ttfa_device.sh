@@ -28,3 +28,4 @@ sleep 2; echo "GPU memory used, idle server after the runs: $(gpu_used)"
 kill -TERM $SERVER; wait $SERVER 2>/dev/null
 grep -iE "warm|graph|error" "${OUT:-/tmp}/server.log" | head -20
 echo "slow engine iterations: $(grep -c "slow engine iteration" "${OUT:-/tmp}/server.log")"
+grep "ran dry" "${OUT:-/tmp}/server.log" | head -20
