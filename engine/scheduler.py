@@ -794,13 +794,16 @@ class Scheduler:
         their slots back after their last window, and get their result once its audio is sent.
 
         Sessions that ended, and sessions waiting for text, flush what they have: audio already
-        generated is never held back behind text that has not arrived.
+        generated is never held back behind text that has not arrived. A session's last window joins
+        the group of the next window size (`StreamingVocoder.due`'s `last`).
         """
         decode = self._phase == DECODE
         flush = decode & (self._trail_pos >= self._trail_len) & ~self._text_done
-        flush[[s.slot for s in ended]] = True
+        last = np.zeros_like(flush)
+        last[[s.slot for s in ended]] = True
+        flush |= last
         slots = np.flatnonzero(decode)
-        for group, frames in self.vocoder.due(slots, flush[slots], self._step_s):
+        for group, frames in self.vocoder.due(slots, flush[slots], self._step_s, last[slots]):
             launched.windows.append(([self._by_slot[slot] for slot in group], self.vocoder.decode(group, frames)))
         for s in ended:
             self._release(s)

@@ -110,16 +110,19 @@ class VocoderStream:
 
 class WindowAudio:
     """A window decode's audio on its way to the host; split on out-of-memory, its parts are joined
-    along `axis` (0: streams, 1: time) when read."""
+    along `axis` (0: streams, 1: time) when read. `samples`: each stream's samples to keep, where a
+    finished turn's last window was decoded padded to a larger size (None: all of them)."""
 
-    def __init__(self, parts: list, axis: int = 0):
-        self.parts, self.axis = parts, axis
+    def __init__(self, parts: list, axis: int = 0, samples: np.ndarray | None = None):
+        self.parts, self.axis, self.samples = parts, axis, samples
 
-    def wait(self) -> np.ndarray:
-        """Audio [streams, samples] float32, once the device has made it: a copy in pageable memory
-        (the pinned buffers go back to PyTorch's pool at once, however long listeners keep chunks)."""
-        return np.concatenate([p.wait() if isinstance(p, WindowAudio) else p.wait().numpy() for p in self.parts],
-                              axis=self.axis)
+    def wait(self) -> np.ndarray | list[np.ndarray]:
+        """Audio [streams, samples] float32 (with `samples`: each stream's row cut to its length), once
+        the device has made it: a copy in pageable memory (the pinned buffers go back to PyTorch's pool
+        at once, however long listeners keep chunks)."""
+        audio = np.concatenate([p.wait() if isinstance(p, WindowAudio) else p.wait().numpy() for p in self.parts],
+                               axis=self.axis)
+        return audio if self.samples is None else [row[:n] for row, n in zip(audio, self.samples)]
 
 
 class StreamingVocoder:
@@ -214,26 +217,44 @@ class StreamingVocoder:
         """Seconds of audio each slot's listener still holds, playing from its first chunk on."""
         return self.decoded[slots] * self.frame_audio_s - (time.monotonic() - self.started[slots])
 
-    def due(self, slots: np.ndarray, flush: np.ndarray, step_s: float) -> list[tuple[np.ndarray, int]]:
+    def due(self, slots: np.ndarray, flush: np.ndarray, step_s: float,
+            last: np.ndarray | None = None) -> list[tuple[np.ndarray, int]]:
         """Groups (slots, frames) to decode now: windows the policy closes (a frame taking `step_s`
-        to make), and whatever the `flush` slots have (a session that ended, or one that has to wait)."""
+        to make), and whatever the `flush` slots have (a session that ended, or one that has to wait).
+
+        The `last` slots' windows are their turns' last (the stream is not decoded further): each is
+        decoded as the smallest window size that holds it (its extra frames code 0, their audio
+        dropped: the decoder is causal, so the real frames' audio is the same), in the group of that
+        size. Under a steady load turns end every frame with any number of frames left; as windows
+        of their own sizes they were another small, launch-bound vocoder replay or several each."""
         count = self.count[slots]
         full = self.policy.due(count, self.decoded[slots], self.held_s(slots), step_s)
-        ready = slots[full | (flush & (count > 0))]
-        counts = self.count[ready]
-        return [(ready[counts == w], int(w)) for w in np.unique(counts)]
+        take = full | (flush & (count > 0))
+        ready, frames = slots[take], count[take]
+        if last is not None:
+            sizes = np.asarray(self.policy.sizes())
+            padded = sizes[np.minimum(np.searchsorted(sizes, frames), len(sizes) - 1)]
+            frames = np.where(last[take] & (padded > frames), padded, frames)
+        return [(ready[frames == w], int(w)) for w in np.unique(frames)]
 
     def decode(self, slots: np.ndarray, frames: int) -> WindowAudio:
         """Launch the decode of each slot's `frames` confirmed pending frames: audio
         [len(slots), frames*1920] float32 once waited for.
 
-        `frames` must equal the pending count of every slot in `slots` (as `due` groups them).
+        `frames` must equal the pending count of every slot in `slots` (as `due` groups them), or
+        exceed it for a turn's last window (`due`'s `last`): that stream's audio is cut to its frames.
         """
         idx = self._index(slots)
         ring = self._index((self.decoded[slots, None] + np.arange(frames)) % self.ring)
         codes = self.pending[idx[:, None], ring]    # taken on the caller's stream: the ring's next writes come after
+        count = self.count[slots]
+        padded = count < frames
+        if padded.any():        # a last window's extra frames: code 0 (the ring may hold anything there)
+            codes = codes * (self._index(np.arange(frames)[None, :] < count[:, None])[..., None])
         with self.stream.enter(idx, codes):
             audio = self._decode(idx, codes)
+        if padded.any():
+            audio = WindowAudio([audio], samples=count * self.streams.vocoder.samples_per_frame)
         self.started[slots] = np.where(self.decoded[slots] == 0, time.monotonic(), self.started[slots])
         self.count[slots] = 0
         self.decoded[slots] += frames

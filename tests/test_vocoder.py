@@ -11,11 +11,13 @@ fp32 vs fp64 of one unchunked decode -- so fp32 streaming is held to the golden 
 import copy
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from engine.config import load_config
 from engine.model.vocoder import UNUSED_KEYS, Vocoder, VocoderStreams
+from engine.streaming import StreamingVocoder, WindowPolicy
 from engine.weights import load_into, read_safetensors
 from tests.triton_cpu import require_triton
 
@@ -282,3 +284,36 @@ def test_vocoder_graphs_split_wide_batches_and_odd_windows(vocoder64, random_cod
         t += w
     assert {bucket for bucket, _ in graphs.graphs} == {1, 2}
     assert maxdiff(torch.cat(pieces, dim=1), reference) < EXACT_TOL
+
+
+def test_a_turns_last_window_is_decoded_padded_in_the_next_sizes_group(vocoder64, random_codes):
+    """A finished turn's 3 remaining frames join another stream's 4-frame window: one decode, the
+    extra frame code 0 whatever its ring holds, its audio dropped; both streams' audio as one-shot."""
+    sv = StreamingVocoder(vocoder64, 2, WindowPolicy(2, 8), frame_audio_s=0.08)
+    sv.start([0, 1], [None, None])
+    codes = [random_codes[:5], random_codes[40:46]]           # slot 0: 2 + 3 (last); slot 1: 2 + 4
+    out = [[], []]
+
+    def step(rows, k):
+        sv.add(np.array(rows), torch.stack([codes[r][min(k, len(codes[r]) - 1)] for r in (0, 1)]))
+        sv.confirm(np.array(rows))
+
+    for k in range(2):
+        step([0, 1], k)
+    [(group, frames)] = sv.due(np.array([0, 1]), np.array([False, False]), 0.01)
+    assert list(group) == [0, 1] and frames == 2                          # both first windows
+    for slot, pcm in zip(group, sv.decode(group, frames).wait()):
+        out[slot].append(pcm)
+    for k in range(2, 5):
+        step([0, 1], k)
+    step([1], 5)
+    sv.pending[0, 5 % sv.ring] = 5000       # what a step launched after the turn's end may leave: no code
+    # slot 0's turn ended with 3 frames; slot 1's listener is running dry (a 1 s step): its 4 close
+    groups = sv.due(np.array([0, 1]), np.array([True, False]), 1.0, last=np.array([True, False]))
+    assert [(list(g), w) for g, w in groups] == [([0, 1], 4)]
+    group, frames = groups[0]
+    for slot, pcm in zip(group, sv.decode(group, frames).wait()):
+        out[slot].append(pcm)
+    assert [len(p) for p in out[0]] == [2 * SPF, 3 * SPF] and [len(p) for p in out[1]] == [2 * SPF, 4 * SPF]
+    for slot in (0, 1):
+        assert maxdiff(np.concatenate(out[slot]), vocoder64.decode_unchunked(codes[slot][None])[0]) < EXACT_TOL
