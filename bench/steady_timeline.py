@@ -91,5 +91,6 @@ def main() -> None:
         emit({"peer": "qwen3-tts-server", "kind": "steady_timeline", "device": args.device,
               **profile_steady(scheduler, voice, args.turns, args.slots, args.frames, args.steps)}, args.out)
 
+
 if __name__ == "__main__":
     main()

@@ -92,5 +92,6 @@ def main() -> None:
             emit({"peer": "qwen3-tts-server", "kind": "sustained_variant", "device": args.device,
                   **run_variant(scheduler, voice, name, args.turns, args.slots, args.frames)}, args.out)
 
+
 if __name__ == "__main__":
     main()

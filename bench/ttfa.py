@@ -108,8 +108,9 @@ class Playback:
             self.start = now
         elif now - self.start > self.samples / self.rate:
             self.underruns += 1
-            self.dry.append((round(self.samples / self.rate, 3), round((now - self.start - self.samples / self.rate) * 1000, 1)))
-            self.start = now - self.samples / self.rate
+            played = self.samples / self.rate
+            self.dry.append((round(played, 3), round((now - self.start - played) * 1000, 1)))
+            self.start = now - played
         self.samples += samples
 
 

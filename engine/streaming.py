@@ -248,12 +248,12 @@ class StreamingVocoder:
         ring = self._index((self.decoded[slots, None] + np.arange(frames)) % self.ring)
         codes = self.pending[idx[:, None], ring]    # taken on the caller's stream: the ring's next writes come after
         count = self.count[slots]
-        padded = count < frames
-        if padded.any():        # a last window's extra frames: code 0 (the ring may hold anything there)
+        padded = bool((count < frames).any())
+        if padded:        # a last window's extra frames: code 0 (the ring may hold anything there)
             codes = codes * (self._index(np.arange(frames)[None, :] < count[:, None])[..., None])
         with self.stream.enter(idx, codes):
             audio = self._decode(idx, codes)
-        if padded.any():
+        if padded:
             audio = WindowAudio([audio], samples=count * self.streams.vocoder.samples_per_frame)
         self.started[slots] = np.where(self.decoded[slots] == 0, time.monotonic(), self.started[slots])
         self.count[slots] = 0
