@@ -7,7 +7,8 @@ decode layer's whole attention core in one kernel: QK-norm, RoPE from the positi
 write, causal attention over the row's cache. At a few rows a long context's keys may be cut over
 several programs a KV head, the last to finish merging their partials; over a short cache (the code
 predictor's 16 positions) a kernel that takes a few KV heads or all of a row's at once, the new keys
-from registers and the older ones loaded before the wait, is timed beside it.
+from registers and the older ones loaded before the wait, is timed beside it. There, at a row or two
+(one stream), `attention_out` does the output projection and its residual add in the same kernel.
 """
 from __future__ import annotations
 
