@@ -7,9 +7,10 @@ step N back; whatever it waits for in between leaves the GPU idle while it works
 - `no-first-window-path`: never read the step in flight back before launching the next one (the
   scheduler does when that step closes some session's first window, to send it a step sooner; under
   a steady load a session joins almost every frame, so almost every iteration does);
-- `vocoder-priority` (CUDA): the vocoder's stream at high priority, so a first window's kernels go
-  ahead of the step's queued ones without the step waiting for the host;
-- `both` (CUDA).
+- `windows-after-next-step`: each window takes its codes on the step's stream, behind the step
+  launched after its frames' (as before the twentieth session), instead of on the vocoder's stream
+  once its frames are in (`StreamingVocoder.decode`'s `after`).
+(The vocoder's stream at high priority bought nothing: DL, bench/README.md.)
 Each row has the load's `rtf_steady` (`bench.throughput.run_sustained`), the engine thread's seconds per
 iteration in each phase (`SchedulerStats.host_seconds`) and the idle server's median time to first audio.
 
@@ -23,7 +24,6 @@ import time
 from unittest import mock
 
 import numpy as np
-import torch
 
 from bench.results import emit
 from bench.throughput import add_steady_load_args, run_sustained, steady_load
@@ -31,23 +31,21 @@ from engine.requests import SamplingParams, SpeechRequest
 from engine.scheduler import Scheduler
 
 
-# name -> (without the first-window read-back, the vocoder stream at high priority: CUDA only)
-VARIANTS = {"as-is": (False, False), "no-first-window-path": (True, False), "vocoder-priority": (False, True),
-            "both": (True, True)}
+VARIANTS = ("as-is", "no-first-window-path", "windows-after-next-step")
 
 
 @contextlib.contextmanager
 def variant(scheduler: Scheduler, name: str):
     """The scheduler changed as `name` (one of VARIANTS) says while the context lasts."""
-    no_first_window_path, vocoder_priority = VARIANTS[name]
-    with contextlib.ExitStack() as stack:
-        if no_first_window_path:
-            stack.enter_context(mock.patch.object(scheduler.vocoder, "first_window_closes", lambda slots: False))
-        if vocoder_priority:
-            vocoder_stream = scheduler.vocoder.stream
-            torch.cuda.synchronize()           # the old stream's work done before the new one takes over
-            stack.enter_context(mock.patch.object(vocoder_stream, "stream", torch.cuda.Stream(priority=-1)))
-            stack.callback(torch.cuda.synchronize)
+    vocoder = scheduler.vocoder
+    if name == "no-first-window-path":
+        with mock.patch.object(vocoder, "first_window_closes", lambda slots: False):
+            yield
+    elif name == "windows-after-next-step":
+        decode = vocoder.decode
+        with mock.patch.object(vocoder, "decode", lambda slots, frames, after=None: decode(slots, frames)):
+            yield
+    else:
         yield
 
 
@@ -87,8 +85,6 @@ def main() -> None:
         ap.error(f"unknown variants: {', '.join(sorted(set(names) - set(VARIANTS)))}")
     with steady_load(args) as (scheduler, voice):
         for name in names:
-            if VARIANTS[name][1] and torch.device(args.device).type != "cuda":     # stream priorities are CUDA's
-                continue
             emit({"peer": "qwen3-tts-server", "kind": "sustained_variant", "device": args.device,
                   **run_variant(scheduler, voice, name, args.turns, args.slots, args.frames)}, args.out)
 

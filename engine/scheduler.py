@@ -74,7 +74,9 @@ from .streaming import StreamingVocoder, WindowPolicy, release_cached_memory
 
 log = logging.getLogger(__name__)
 
-FREE, PREFILL, DECODE = 0, 1, 2     # what a slot is doing
+# what a slot is doing; DRAINING: its session's generation ended, its last window is being decoded
+# (the slot goes to another session once that audio is out: see `_launch_windows`)
+FREE, PREFILL, DECODE, DRAINING = 0, 1, 2, 3
 STEP_TIME_SMOOTHING = 0.3           # weight of the newest step in the step-time average (vocoder windows)
 SPARE_PAGES = 16                    # free KV pages kept for the next admissions beyond half the pages in use
 VOCODER_BATCH = 32                  # streams a vocoder graph replay decodes (H100, 256 streams: as fast as 64, 0.6 GiB less held)
@@ -86,7 +88,7 @@ class Overloaded(RuntimeError):
 
 @dataclass(frozen=True)
 class SchedulerStats:
-    active: int              # sessions holding a slot (prefilling or decoding)
+    active: int              # sessions holding a slot (prefilling, decoding, or their last audio on its way)
     queued: int              # submitted sessions waiting for a slot or for the text their prompt needs
     max_batch: int
     steps: int               # decode steps run
@@ -207,6 +209,7 @@ class _Launched:
     """Device work one iteration launched, which the next one reads back."""
     step: Optional[LaunchedStep] = None
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))   # slots active in it
+    frames_added: Optional["torch.cuda.Event"] = None   # its frames are in the vocoder's rings (`add`)
     sessions: list = field(default_factory=list)    # the session of each of `rows` at launch
     windows: list = field(default_factory=list)     # (sessions, WindowAudio) per window decode
     ending: list = field(default_factory=list)      # sessions whose last audio is in `windows`
@@ -535,7 +538,7 @@ class Scheduler:
         if not self.overlap:             # launches run as they are made: each result is there at once
             phase("step launch", self._launch_step, launched)
             ended = phase("read-back", self._take_step, launched)
-            phase("vocoder launch", self._launch_windows, ended, launched)
+            phase("vocoder launch", self._launch_windows, ended, launched, launched.frames_added)
             phase("audio out", self._send_audio, launched)
             launched = _Launched()
         elif self.vocoder.first_window_closes(previous.rows):
@@ -543,13 +546,13 @@ class Scheduler:
             # window goes to the GPU ahead of the next step (time to first audio, not one step more)
             phase("audio out", self._send_audio, previous)
             ended = phase("read-back", self._take_step, previous)
-            phase("vocoder launch", self._launch_windows, ended, launched)
+            phase("vocoder launch", self._launch_windows, ended, launched, previous.frames_added)
             phase("step launch", self._launch_step, launched)
         else:
             phase("step launch", self._launch_step, launched)
             phase("audio out", self._send_audio, previous)
             ended = phase("read-back", self._take_step, previous)
-            phase("vocoder launch", self._launch_windows, ended, launched)
+            phase("vocoder launch", self._launch_windows, ended, launched, previous.frames_added)
         self._launched = launched
         self._trim_cache()
         dt = time.perf_counter() - t0
@@ -737,7 +740,7 @@ class Scheduler:
             return
         self._trail_pos[:n] += active & has_text
         rows = np.flatnonzero(active)
-        self.vocoder.add(rows, step.frames)
+        launched.frames_added = self.vocoder.add(rows, step.frames)
         launched.step, launched.rows, launched.sessions = step, rows, [self._by_slot[r] for r in rows]
         with self._lock:
             self._steps += 1
@@ -773,7 +776,8 @@ class Scheduler:
         if launched.step is None:
             return ended
         out = launched.step.result()
-        mine = np.array([s.slot == r and not s.closed for s, r in zip(launched.sessions, launched.rows)], dtype=bool)
+        mine = np.array([s.slot == r and not s.closed and self._phase[r] == DECODE
+                         for s, r in zip(launched.sessions, launched.rows)], dtype=bool)
         rows = launched.rows[mine & out.advanced[launched.rows]]      # others: cancelled, or ended a step earlier
         self._frames[rows] += 1
         self.vocoder.confirm(rows)
@@ -789,13 +793,21 @@ class Scheduler:
             self._frames_total += rows.size
         return ended
 
-    def _launch_windows(self, ended: list[_Session], launched: _Launched) -> None:
-        """Launch the decode of the windows that are due, batched, into `launched`; the sessions that `ended` give
-        their slots back after their last window, and get their result once its audio is sent.
+    def _launch_windows(self, ended: list[_Session], launched: _Launched, after=None) -> None:
+        """Launch the decode of the windows that are due, batched, into `launched`; the sessions that
+        `ended` hold their slots (DRAINING) until their last audio is sent, then get their result.
 
         Sessions that ended, and sessions waiting for text, flush what they have: audio already
         generated is never held back behind text that has not arrived. A session's last window joins
         the group of the next window size (`StreamingVocoder.due`'s `last`).
+
+        after: the event `StreamingVocoder.add` gave for the step just read back: the windows take
+        their codes on the vocoder's stream once those frames are in, not behind the step launched
+        since. That gather may run after the step stream's later writes into the rings, which is safe
+        because (1) a session's own later frames land elsewhere in its ring (it holds a window, the
+        step in flight and the next: `_send_audio` waits for each iteration's windows before the
+        iteration after launches another step), and (2) no other session writes into a slot's ring
+        before the slot's last audio is out (DRAINING; a cancelled session's audio is dropped).
         """
         decode = self._phase == DECODE
         flush = decode & (self._trail_pos >= self._trail_len) & ~self._text_done
@@ -804,9 +816,10 @@ class Scheduler:
         flush |= last
         slots = np.flatnonzero(decode)
         for group, frames in self.vocoder.due(slots, flush[slots], self._step_s, last[slots]):
-            launched.windows.append(([self._by_slot[slot] for slot in group], self.vocoder.decode(group, frames)))
+            launched.windows.append(([self._by_slot[slot] for slot in group],
+                                     self.vocoder.decode(group, frames, after=after)))
         for s in ended:
-            self._release(s)
+            self._phase[s.slot] = DRAINING
         launched.ending += ended
 
     def _emit(self, s: _Session, pcm: np.ndarray) -> None:

@@ -10,7 +10,9 @@ session's stream is primed with its reference codes, so its audio equals decodin
 
 On a GPU the scheduler runs one step ahead of what it has read back (`engine.scheduler`): a step's frames
 are put in the ring when it is launched (`add`), and count toward a window once its result says the
-row made them (`confirm`); a window's audio comes back to the host without waiting (`WindowAudio`).
+row made them (`confirm`); a window's audio comes back to the host without waiting (`WindowAudio`). A
+window waits for the step that made its last frames (an event after their `add`), not for the step
+launched since.
 
 On a GPU the windows are decoded on a CUDA stream of their own (`VocoderStream`), beside the decode
 steps: a step leaves most of the GPU idle (at one session it waits on kernel latency), and the vocoder's
@@ -98,14 +100,26 @@ class VocoderStream:
         if torch.device(device).type == "cuda" and VOCODER_STREAM != "0":
             self.stream = torch.cuda.Stream(device)
 
-    def enter(self, *inputs: torch.Tensor):
-        """A context running the vocoder's work after the caller's stream's, reading `inputs`."""
+    def enter(self, *inputs: torch.Tensor, after: "torch.cuda.Event | None" = None):
+        """A context running the vocoder's work after the caller's stream's (all it queued so far, or
+        with `after`, what it queued before that event: `record`), reading `inputs`."""
         if self.stream is None:
             return contextlib.nullcontext()
-        self.stream.wait_stream(torch.cuda.current_stream())
+        if after is None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+        else:
+            self.stream.wait_event(after)
         for t in inputs:
             t.record_stream(self.stream)
         return torch.cuda.stream(self.stream)
+
+    def record(self) -> "torch.cuda.Event | None":
+        """An event on the caller's stream for `enter`'s `after`: None on the caller's own stream."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
 
 class WindowAudio:
@@ -196,14 +210,16 @@ class StreamingVocoder:
         for s, r in copies:
             self.streams.restore(self._index([s]), self._primed.get(r))
 
-    def add(self, rows: np.ndarray, frames: torch.Tensor) -> None:
+    def add(self, rows: np.ndarray, frames: torch.Tensor) -> "torch.cuda.Event | None":
         """Put frames[rows] (one frame each, [n, 16] on the device, from a step just launched) in the
-        rings of slots `rows`; they join a window once `confirm`ed."""
+        rings of slots `rows`; they join a window once `confirm`ed. Returns an event after the write
+        (on a vocoder stream of its own) for `decode`'s `after`."""
         if rows.size == 0:
-            return
+            return None
         idx = self._index(rows)
         self.pending[idx, self._index(self.written[rows] % self.ring)] = frames[idx]
         self.written[rows] += 1
+        return self.stream.record()
 
     def confirm(self, rows: np.ndarray) -> None:
         """The step's result says slots `rows` made the frame `add` put in their rings."""
@@ -237,28 +253,45 @@ class StreamingVocoder:
             frames = np.where(last[take] & (padded > frames), padded, frames)
         return [(ready[frames == w], int(w)) for w in np.unique(frames)]
 
-    def decode(self, slots: np.ndarray, frames: int) -> WindowAudio:
+    def decode(self, slots: np.ndarray, frames: int, after: "torch.cuda.Event | None" = None) -> WindowAudio:
         """Launch the decode of each slot's `frames` confirmed pending frames: audio
         [len(slots), frames*1920] float32 once waited for.
 
         `frames` must equal the pending count of every slot in `slots` (as `due` groups them), or
         exceed it for a turn's last window (`due`'s `last`): that stream's audio is cut to its frames.
+        The codes are taken from the rings on the caller's stream, behind all it queued (the ring's
+        next writes come after), or with `after` (the event `add` gave for the latest of these
+        frames) on the vocoder's stream once that event has passed: the caller must then keep the
+        rings' positions read here unwritten until the audio is out (see `Scheduler._launch_windows`).
         """
-        idx = self._index(slots)
-        ring = self._index((self.decoded[slots, None] + np.arange(frames)) % self.ring)
-        codes = self.pending[idx[:, None], ring]    # taken on the caller's stream: the ring's next writes come after
         count = self.count[slots]
-        padded = bool((count < frames).any())
-        if padded:        # a last window's extra frames: code 0 (the ring may hold anything there)
-            codes = codes * (self._index(np.arange(frames)[None, :] < count[:, None])[..., None])
-        with self.stream.enter(idx, codes):
+        if after is None:
+            idx, codes = self._gather(slots, frames)
+            context = self.stream.enter(idx, codes)
+        else:
+            context = self.stream.enter(after=after)
+        with context:
+            if after is not None:
+                idx, codes = self._gather(slots, frames)
             audio = self._decode(idx, codes)
-        if padded:
+        if (count < frames).any():
             audio = WindowAudio([audio], samples=count * self.streams.vocoder.samples_per_frame)
         self.started[slots] = np.where(self.decoded[slots] == 0, time.monotonic(), self.started[slots])
         self.count[slots] = 0
         self.decoded[slots] += frames
         return audio
+
+    def _gather(self, slots: np.ndarray, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots' indices and their next `frames` codes [n, frames, 16] from the rings, on the
+        current stream; a last window's frames beyond its count are code 0 (the ring may hold anything
+        there)."""
+        idx = self._index(slots)
+        ring = self._index((self.decoded[slots, None] + np.arange(frames)) % self.ring)
+        codes = self.pending[idx[:, None], ring]
+        count = self.count[slots]
+        if (count < frames).any():
+            codes = codes * (self._index(np.arange(frames)[None, :] < count[:, None])[..., None])
+        return idx, codes
 
     def _decode(self, idx: torch.Tensor, codes: torch.Tensor) -> WindowAudio:
         try:

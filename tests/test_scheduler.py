@@ -406,11 +406,11 @@ def test_a_slow_iteration_is_logged_with_its_phases(model, voices, caplog, overl
     with Scheduler(model, 2, overlap=overlap, slow_iteration_s=0.15) as sch:
         launch_windows, slowed = sch._launch_windows, []
 
-        def slow_launch_windows(ended, launched):
+        def slow_launch_windows(ended, launched, after=None):
             if sch.stats().steps >= 3 and not slowed:
                 slowed.append(True)
                 time.sleep(0.3)
-            launch_windows(ended, launched)
+            launch_windows(ended, launched, after)
         sch._launch_windows = slow_launch_windows
         with caplog.at_level("WARNING", logger="engine.scheduler"):
             chunks, result = sch.submit(request(voices, "xvec_en", max_frames=8)).collect(60)
@@ -465,7 +465,8 @@ def test_a_first_window_goes_to_the_device_ahead_of_the_next_step(model, voices)
     with Scheduler(model, 1, overlap=True, window_frames=(2, 2)) as sch:
         step, decode = sch.runner.step, sch.vocoder.decode
         sch.runner.step = lambda *a: (calls.append("step"), step(*a))[1]
-        sch.vocoder.decode = lambda slots, frames: (calls.append(f"window {frames}"), decode(slots, frames))[1]
+        sch.vocoder.decode = lambda slots, frames, after=None: (calls.append(f"window {frames}"),
+                                                                decode(slots, frames, after=after))[1]
         chunks, result = sch.submit(request(voices, "xvec_en", max_frames=12)).collect(60)
     assert result.frames == 12 and [c.pcm.shape[0] // SPF for c in chunks][0] == 2
     assert calls[:3] == ["step", "step", "window 2"]
