@@ -55,10 +55,10 @@ if has throughput; then
     done
   done
 fi
-# the scheduler's iteration in variants under a steady load, one process
+# the scheduler's iteration in variants under a steady load, one process (VARIANT_NAMES: which, comma-separated)
 if has variants; then
-  timeout 420 python3 -m bench.sustained_variants --model-dir "$MODEL" --slots ${VARIANT_SLOTS:-256} \
-    --turns ${VARIANT_TURNS:-640} --out "$R" > "$OUTD/variants.log" 2>&1
+  timeout ${VARIANT_TIMEOUT:-420} python3 -m bench.sustained_variants --model-dir "$MODEL" --slots ${VARIANT_SLOTS:-256} \
+    --turns ${VARIANT_TURNS:-640} ${VARIANT_NAMES:+--variants $VARIANT_NAMES} --out "$R" > "$OUTD/variants.log" 2>&1
   echo "sustained variants rc=$? at $((SECONDS-t0)) s"
 fi
 # the GPU's busy and idle time a step, stream by stream, in the middle of a steady load
