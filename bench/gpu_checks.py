@@ -379,42 +379,6 @@ def short_attention_vs_per_head(model) -> dict:
                 repeatable=repeatable, ok=worst < 0.01 and kv_equal and repeatable)
 
 
-def attention_out_vs_two_kernels(model) -> dict:
-    """`attention_out` (the code predictor's attention, output projection and residual add in one
-    kernel) in every config against `decode_attention` then `linear` at its first layer over random
-    earlier keys: 1 and 2 rows, 1 and 2 new positions, rows with no earlier key and with 14; 20
-    launches each (the same output every time), and the keys and values written."""
-    from engine.model import kernels
-    g = torch.Generator(device=model.device).manual_seed(7)
-    predictor = model.talker.code_predictor
-    attn = predictor.model.layers[0].self_attn
-    args = (attn.heads, attn.kv_heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps,
-            predictor.model.inv_freq)
-    w = attn.o_proj.weight
-    rows, worst, kv_equal, repeatable = [], 0.0, True, True
-    for b, t in ((1, 1), (1, 2), (2, 1), (2, 2)):
-        cache = predictor.new_cache(b)
-        kv = [torch.randn(b, cache.capacity, attn.kv_heads, attn.head_dim, device=model.device, generator=g).to(model.dtype)
-              for _ in range(2)]
-        start = (torch.arange(b, device=model.device) % 2) * (cache.capacity - t)
-        qkv = torch.randn(b, t, (attn.heads + 2 * attn.kv_heads) * attn.head_dim, device=model.device,
-                          generator=g).to(model.dtype)
-        residual = torch.randn(b, t, w.shape[0], device=model.device, generator=g).to(model.dtype)
-        cache.write(0, *kv, torch.zeros(b, dtype=torch.long, device=model.device))
-        expected = kernels.linear(kernels.decode_attention(qkv, *args, cache, 0, start, kernels.ATTENTION_CONFIGS[0]),
-                                  w, residual=residual)
-        expected_kv = torch.cat(cache.read(0, b, cache.capacity), dim=-1)
-        for config in kernels.attention.ATTENTION_OUT_CONFIGS:
-            cache.write(0, *kv, torch.zeros(b, dtype=torch.long, device=model.device))
-            outs = [kernels.attention_out(qkv, *args, cache, 0, start, w, residual, config=config) for _ in range(20)]
-            repeatable &= all(torch.equal(o, outs[0]) for o in outs)
-            worst = max(worst, err(outs[0] - residual, expected - residual)["rel_rms"])
-            kv_equal &= torch.equal(torch.cat(cache.read(0, b, cache.capacity), dim=-1), expected_kv)
-        rows.append(f"{b} rows, {t} positions: worst so far {worst:.1e}")
-    return dict(check="attention_out_vs_two_kernels", rel_rms=rows, worst_rel_rms=worst, kv_equal=kv_equal,
-                repeatable=repeatable, ok=worst < 0.01 and kv_equal and repeatable)
-
-
 @torch.no_grad()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -426,7 +390,8 @@ def main() -> int:
     checks = (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops,
               vocoder_channels_last_vs_first, scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
               dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, scheduler_does_not_wait_for_the_gpu,
-              split_attention_vs_one_program, short_attention_vs_per_head, attention_out_vs_two_kernels)
+              split_attention_vs_one_program,
+              short_attention_vs_per_head)
     if args.only:
         names = args.only.split(",")
         unknown = set(names) - {c.__name__ for c in checks}

@@ -152,51 +152,6 @@ def test_short_attention_is_offered_for_short_caches_only(kernels, monkeypatch):
     assert kernels.attention_configs(predictor) == kernels.ATTENTION_CONFIGS
 
 
-@pytest.mark.parametrize("t", [1, 2])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (16, 8)])
-def test_attention_out_is_the_attention_then_the_output_gemm(kernels, t, heads, kv_heads):
-    """Over a short cache at one or two rows, `attention_out` (the attention, the output projection and
-    its residual add in one kernel) gives what `decode_attention` then `linear` give, in every config
-    and in place, and writes the same new keys and values: rows with no older key and with most of
-    the cache's, column blocks that do not divide the output."""
-    torch.manual_seed(6)
-    head_dim, cap, b, n = 32, 32, 2, 40
-    caches = [KVCache(1, b, cap, kv_heads, head_dim, torch.float32, "cpu", page_size=16, reserve_all=True,
-                      separate_pages=True) for _ in range(2)]
-    earlier = torch.randn(b, cap, kv_heads, head_dim), torch.randn(b, cap, kv_heads, head_dim)
-    qkv = torch.randn(b, t, (heads + 2 * kv_heads) * head_dim)
-    start = torch.tensor([0, cap - t])
-    w, residual = torch.randn(n, heads * head_dim) / 8, torch.randn(b, t, n)
-    qw, kw = torch.rand(head_dim) + 0.5, torch.rand(head_dim) + 0.5
-    args = (heads, kv_heads, qw, kw, 1e-6, rope_inv_freq(head_dim, 1e6))
-    caches[0].write(0, *earlier, torch.zeros(b, dtype=torch.long))
-    attended = kernels.decode_attention(qkv, *args, caches[0], 0, start, kernels.ATTENTION_CONFIGS[0])
-    expected = kernels.linear(attended, w, residual=residual)
-    assert kernels.attention_out_supports(b, kv_heads, caches[1])
-    for config in kernels.attention.ATTENTION_OUT_CONFIGS[:3] + [dict(BLOCK_N=16, num_warps=4, PRELOAD_KV=False)]:
-        caches[1].write(0, *earlier, torch.zeros(b, dtype=torch.long))
-        own = residual.clone()
-        got = kernels.attention_out(qkv, *args, caches[1], 0, start, w, own, in_place=True, config=config)
-        assert got.data_ptr() == own.data_ptr()
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=str(config))
-        for a, e in zip(caches[1].read(0, b, cap), caches[0].read(0, b, cap)):
-            torch.testing.assert_close(a, e, atol=1e-6, rtol=0)
-    got = kernels.attention_out(qkv, *args, caches[1], 0, start, w, residual)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-
-
-def test_attention_out_takes_a_row_or_two_over_a_short_cache(kernels, monkeypatch):
-    """The code predictor's cache at one or two rows; not three, not the talker's long cache, not with
-    QWEN3_TTS_ATTENTION_OUT=0 (the two kernels then)."""
-    predictor = KVCache(1, 4, 16, 8, 128, torch.float32, "cpu", page_size=16, reserve_all=True)
-    talker = KVCache(1, 1, 512, 8, 128, torch.float32, "cpu", page_size=64, reserve_all=True)
-    supports = kernels.attention_out_supports
-    assert [supports(rows, 8, predictor) for rows in (1, 2, 3)] == [True, True, False]
-    assert not supports(1, 8, talker)
-    monkeypatch.setattr(kernels.attention, "ATTENTION_OUT", False)
-    assert not supports(1, 8, predictor)
-
-
 @pytest.fixture(scope="module")
 def fused_model(tiny_model_dir, kernels):
     """The model on the fused decode path (the GEMM, attention and sampling kernels)."""

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import kernels
-from .kernels import attention_out, attention_out_supports, decode_attention, linear, qk_norm_rope, rms_norm
+from .kernels import decode_attention, linear, qk_norm_rope, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -176,12 +176,8 @@ class Attention(nn.Module):
         """h + self(norm(h)) for the decode pattern (rows = slots 0..B-1, a few new positions each): the
         norm in the QKV GEMM, the attention core in one kernel (`kernels.decode_attention`, its launch
         config timed for rows of up to kmax keys), the residual add in the output GEMM (into h itself
-        where `own_h`: h is the stack's own buffer, read by no one after); over a short cache at a row or
-        two, the attention and the output GEMM are one kernel (`kernels.attention_out`). Needs `fuse`."""
+        where `own_h`: h is the stack's own buffer, read by no one after). Needs `fuse`."""
         qkv = linear(h, self.qkv_weight, norm.weight, norm.eps)
-        if attention_out_supports(qkv.shape[0], self.kv_heads, cache):      # the output projection in too
-            return attention_out(qkv, self.heads, self.kv_heads, self.q_norm.weight, self.k_norm.weight,
-                                 self.q_norm.eps, inv_freq, cache, layer, start, self.o_proj.weight, h, own_h)
         out = decode_attention(qkv, self.heads, self.kv_heads, self.q_norm.weight, self.k_norm.weight,
                                self.q_norm.eps, inv_freq, cache, layer, start, kmax=kmax)
         return linear(out, self.o_proj.weight, residual=h, in_place=own_h)

@@ -3,8 +3,7 @@
 - `vocoder`: SnakeBeta, a residual unit's tail (SnakeBeta, 1x1 conv, residual add), and the 12 Hz
   transformer's sliding-window attention (RoPE in), in one kernel each.
 - `attention`: QK-norm + RoPE for the prefill; a decode layer's whole attention core (QK-norm, RoPE,
-  K/V cache write, causal attention over the row's cache) in one kernel; over a short cache at a row or
-  two, with the output projection and its residual add in too.
+  K/V cache write, causal attention over the row's cache) in one kernel.
 - `gemm`: the decode path's skinny GEMMs with the RMSNorm before them and the SwiGLU gate or the
   residual add after them folded in (with the attention kernel, 5 kernels a layer where plain ops
   took ~25); `rms_norm` and `silu_mul` past 16 rows, where the GEMMs are cuBLAS's.
@@ -18,7 +17,7 @@
 Elsewhere (CPU, no Triton) the PyTorch expressions run; `bench/precision.py` compares the two on GPU.
 The tests run the Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
-from .attention import (ATTENTION_CONFIGS, attention_configs, attention_out, attention_out_supports, attention_timing_key, decode_attention,
+from .attention import (ATTENTION_CONFIGS, attention_configs, attention_timing_key, decode_attention,
                         decode_attention_supports, kv_read, kv_write, qk_norm_rope, qk_norm_rope_reference)
 from .gemm import (GEMV_ROWS, SKINNY_ROWS, linear, linear_configs, linear_timing_key, rms_norm, silu_mul,
                    silu_mul_reference, skinny_linear)
@@ -31,7 +30,7 @@ from .vocoder import (RESIDUAL_TAIL_CONFIGS, SNAKE_CONFIGS, new_samples, residua
                       window_attention_triton)
 
 __all__ = ["ATTENTION_CONFIGS", "GEMV_ROWS", "RESIDUAL_TAIL_CONFIGS", "SAMPLE_CONFIGS", "SKINNY_ROWS", "SNAKE_CONFIGS",
-           "RowState", "TalkerProcessing", "advance_rows", "attention_configs", "attention_out", "attention_out_supports", "attention_timing_key",
+           "RowState", "TalkerProcessing", "advance_rows", "attention_configs", "attention_timing_key",
            "decode_attention", "decode_attention_supports", "embedding_sum", "kv_read", "kv_write", "linear",
            "linear_configs", "linear_timing_key", "new_samples", "qk_norm_rope", "qk_norm_rope_reference",
            "residual_tail", "residual_tail_configs", "residual_tail_reference", "residual_tail_triton", "rms_norm",

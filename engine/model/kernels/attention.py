@@ -7,8 +7,7 @@ decode layer's whole attention core in one kernel: QK-norm, RoPE from the positi
 write, causal attention over the row's cache. At a few rows a long context's keys may be cut over
 several programs a KV head, the last to finish merging their partials; over a short cache (the code
 predictor's 16 positions) a kernel that takes a few KV heads or all of a row's at once, the new keys
-from registers and the older ones loaded before the wait, is timed beside it. There, at a row or two
-(one stream), `attention_out` does the output projection and its residual add in the same kernel.
+from registers and the older ones loaded before the wait, is timed beside it.
 """
 from __future__ import annotations
 
@@ -339,41 +338,49 @@ if triton is not None:
         return k1, k2, v
 
     @triton.jit
-    def _older_keys_at(anchor_ptr, pages, start, capacity, kv0, KVH: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                       OLD: tl.constexpr, PAGE: tl.constexpr):
-        """Where a short cache's older keys of KV heads kv0 .. kv0+KVH-1 lie (the layer's K and V at the
-        k_offset and v_offset from there), a row per (position, KV head), and which rows hold one."""
+    def _short_attention_kernel(
+            qkv_ptr, out_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr, k_w_ptr, inv_freq_ptr,
+            stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, stride_table, k_offset, v_offset,
+            capacity, eps, scale,
+            T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+            KVH: tl.constexpr, M: tl.constexpr, NEW: tl.constexpr, OLD: tl.constexpr, PAGE: tl.constexpr,
+            IEEE: tl.constexpr, PDL: tl.constexpr, PRELOAD_KV: tl.constexpr):
+        """`_attention_group` of row program_id(0) for KVH KV heads at once (program_id(1) says which)
+        over a short cache (OLD / KVH positions at most: the code predictor's 16): one tile of queries,
+        a row per (position, head), against one tile of older keys, a row per (position, KV head), and
+        one of the T new keys, taken from registers (the program writes them to the cache too); a mask
+        keeps each query to its KV head and its causal past. A few dependent loads for all of a row's
+        heads, where a program a KV head pays them for each. With PRELOAD_KV the older keys and values
+        (written two or more kernels back, so complete: see `launch`) load before the wait."""
+        HALF: tl.constexpr = D // 2
+        GK: tl.constexpr = G * KVH                   # query heads of the program
+        dtype = anchor_ptr.dtype.element_ty
+        b = tl.program_id(0)
+        kv0 = tl.program_id(1) * KVH
+        qkv = qkv_ptr + b * stride_qkv_b
+        pages = table_ptr + b * stride_table
+        i = tl.arange(0, HALF)
+        d = tl.arange(0, D)
+        start = tl.load(start_ptr + b)
         c_old = tl.arange(0, OLD)
         j_old = c_old // KVH
         old_valid = j_old < tl.minimum(start, capacity)
         old_at = (anchor_ptr + tl.load(pages + j_old // PAGE, mask=old_valid, other=0)
                   + (j_old % PAGE) * (HKV * D) + (kv0 + c_old % KVH) * D)[:, None]
-        return old_at, old_valid
-
-    @triton.jit
-    def _short_attention(qkv, anchor_ptr, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr, stride_qkv_t, k_offset,
-                         v_offset, capacity, eps, scale, kv0, k1_old, k2_old, v_old, old_valid, writes,
-                         T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                         KVH: tl.constexpr, M: tl.constexpr, NEW: tl.constexpr, OLD: tl.constexpr,
-                         PAGE: tl.constexpr, IEEE: tl.constexpr):
-        """A row's attention for KV heads kv0 .. kv0+KVH-1 over a short cache: one tile of queries, a row
-        per (position t, query head), against the older keys given (a row per (position, KV head)) and
-        the T new keys, normed and rotated in registers (the first `writes` of their rows, all T * KVH or
-        none, written to the cache); a mask
-        keeps each query to its KV head and its causal past. -> the output [M, D] (fp32, normalised),
-        each row's position and query head, and which rows are queries."""
-        HALF: tl.constexpr = D // 2
-        GK: tl.constexpr = G * KVH                   # query heads of the program
-        dtype = anchor_ptr.dtype.element_ty
-        i = tl.arange(0, HALF)
-        d = tl.arange(0, D)
+        if PRELOAD_KV:
+            k1_old, k2_old, v_old = _key_value_rows(old_at, k_offset, v_offset, old_valid, D)
+        dependent_launch_start(PDL)
+        if not PRELOAD_KV:
+            k1_old, k2_old, v_old = _key_value_rows(old_at, k_offset, v_offset, old_valid, D)
         inv_freq = tl.load(inv_freq_ptr + i)
+        # queries, a row per (position t, query head of the program), normed and rotated
         r = tl.arange(0, M)
         t_q = r // GK
         head = kv0 * G + r % GK
         q_valid = r < T * GK
         q1, q2 = _normed_rotated_rows(qkv + t_q[:, None] * stride_qkv_t + head[:, None] * D + i[None, :], q_valid,
                                       q_w_ptr, t_q, start, inv_freq, eps, T, D, dtype)
+        # the T new keys (normed, rotated) and values, a row per (position t, KV head), to the cache
         c_new = tl.arange(0, NEW)
         t_new = c_new // KVH
         h_new = kv0 + c_new % KVH
@@ -383,15 +390,13 @@ if triton is not None:
         v_new = tl.load(qkv + t_new[:, None] * stride_qkv_t + (HQ + HKV + h_new)[:, None] * D + d[None, :],
                         mask=new_valid[:, None], other=0.0)
         pos = tl.minimum(start + t_new, capacity)
-        written = c_new < writes
-        new_at = (anchor_ptr + tl.load(pages + pos // PAGE, mask=written, other=0)
+        new_at = (anchor_ptr + tl.load(pages + pos // PAGE, mask=new_valid, other=0)
                   + (pos % PAGE) * (HKV * D) + h_new * D)[:, None]
-        tl.store(new_at + k_offset + i[None, :], k1, mask=written[:, None])
-        tl.store(new_at + k_offset + HALF + i[None, :], k2, mask=written[:, None])
-        tl.store(new_at + v_offset + d[None, :], v_new, mask=written[:, None])
+        tl.store(new_at + k_offset + i[None, :], k1, mask=new_valid[:, None])
+        tl.store(new_at + k_offset + HALF + i[None, :], k2, mask=new_valid[:, None])
+        tl.store(new_at + v_offset + d[None, :], v_new, mask=new_valid[:, None])
         # softmax over the older keys and the new ones at or before the query's position
         kv_q = (r % GK) // G
-        c_old = tl.arange(0, OLD)
         if IEEE:
             s_old = (tl.dot(q1, tl.trans(k1_old), input_precision="ieee")
                      + tl.dot(q2, tl.trans(k2_old), input_precision="ieee"))
@@ -412,89 +417,9 @@ if triton is not None:
                  + tl.dot(p_new.to(dtype), v_new, input_precision="ieee"))
         else:
             o = tl.dot(p_old.to(dtype), v_old) + tl.dot(p_new.to(dtype), v_new)
-        return o / tl.maximum(l, 1e-30)[:, None], t_q, head, q_valid
-
-    @triton.jit
-    def _short_attention_kernel(
-            qkv_ptr, out_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr, k_w_ptr, inv_freq_ptr,
-            stride_qkv_b, stride_qkv_t, stride_out_b, stride_out_t, stride_table, k_offset, v_offset,
-            capacity, eps, scale,
-            T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-            KVH: tl.constexpr, M: tl.constexpr, NEW: tl.constexpr, OLD: tl.constexpr, PAGE: tl.constexpr,
-            IEEE: tl.constexpr, PDL: tl.constexpr, PRELOAD_KV: tl.constexpr):
-        """`_short_attention` of row program_id(0) for KVH KV heads at once (program_id(1) says which)
-        over a short cache (OLD / KVH positions at most: the code predictor's 16): a few dependent loads
-        for all of a row's heads, where a program a KV head pays them for each. With PRELOAD_KV the
-        older keys and values (written two or more kernels back, so complete: see `launch`) load before
-        the wait."""
-        b = tl.program_id(0)
-        kv0 = tl.program_id(1) * KVH
-        pages = table_ptr + b * stride_table
-        start = tl.load(start_ptr + b)
-        old_at, old_valid = _older_keys_at(anchor_ptr, pages, start, capacity, kv0, KVH, HKV, D, OLD, PAGE)
-        if PRELOAD_KV:
-            k1_old, k2_old, v_old = _key_value_rows(old_at, k_offset, v_offset, old_valid, D)
-        dependent_launch_start(PDL)
-        if not PRELOAD_KV:
-            k1_old, k2_old, v_old = _key_value_rows(old_at, k_offset, v_offset, old_valid, D)
-        o, t_q, head, q_valid = _short_attention(
-            qkv_ptr + b * stride_qkv_b, anchor_ptr, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr, stride_qkv_t,
-            k_offset, v_offset, capacity, eps, scale, kv0, k1_old, k2_old, v_old, old_valid, T * KVH,
-            T, G, HQ, HKV, D, KVH, M, NEW, OLD, PAGE, IEEE)
-        d = tl.arange(0, D)
+        o = o / tl.maximum(l, 1e-30)[:, None]
         tl.store(out_ptr + b * stride_out_b + t_q[:, None] * stride_out_t + head[:, None] * D + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=q_valid[:, None])
-
-    @triton.jit
-    def _attention_out_kernel(
-            qkv_ptr, w_ptr, r_ptr, y_ptr, anchor_ptr, table_ptr, start_ptr, q_w_ptr, k_w_ptr, inv_freq_ptr,
-            stride_qkv_b, stride_qkv_t, stride_table, k_offset, v_offset, capacity, eps, scale, N,
-            T: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-            M: tl.constexpr, NEW: tl.constexpr, OLD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-            IEEE: tl.constexpr, PDL: tl.constexpr, PRELOAD_KV: tl.constexpr):
-        """y [B, T, N] = r + o_proj(attention) for row program_id(1), the BLOCK_N-wide column block of
-        program_id(0): each program works out the row's whole attention over the short cache (all its
-        heads: `_short_attention`, the first column block's program writing the new keys and values),
-        then its block of the output projection (w [N, HQ * D]) and the residual add, so the attention's
-        output never goes through memory and a link of the chain of kernels is gone. The block's weight
-        rows load before the wait, as (PRELOAD_KV) do the older keys and values.
-        The projection is one tensor-core product: the attention's rows (position t, head h) times the
-        weights laid out as [D, (head h', column n)], of which the products where h' = h are summed
-        over the heads for each position."""
-        C: tl.constexpr = HQ * BLOCK_N
-        dtype = anchor_ptr.dtype.element_ty
-        col0 = tl.program_id(0) * BLOCK_N
-        b = tl.program_id(1)
-        c = tl.arange(0, C)
-        d = tl.arange(0, D)
-        n = col0 + c % BLOCK_N
-        w = tl.load(w_ptr + n[None, :] * (HQ * D) + (c // BLOCK_N)[None, :] * D + d[:, None],
-                    mask=(n < N)[None, :], other=0.0)
-        pages = table_ptr + b * stride_table
-        start = tl.load(start_ptr + b)
-        old_at, old_valid = _older_keys_at(anchor_ptr, pages, start, capacity, 0, HKV, HKV, D, OLD, PAGE)
-        if PRELOAD_KV:
-            k1_old, k2_old, v_old = _key_value_rows(old_at, k_offset, v_offset, old_valid, D)
-        dependent_launch_start(PDL)
-        if not PRELOAD_KV:
-            k1_old, k2_old, v_old = _key_value_rows(old_at, k_offset, v_offset, old_valid, D)
-        o, t_q, head, q_valid = _short_attention(
-            qkv_ptr + b * stride_qkv_b, anchor_ptr, pages, start, q_w_ptr, k_w_ptr, inv_freq_ptr, stride_qkv_t,
-            k_offset, v_offset, capacity, eps, scale, 0, k1_old, k2_old, v_old, old_valid,
-            (tl.program_id(0) == 0).to(tl.int32) * (T * HKV),
-            T, G, HQ, HKV, D, HKV, M, NEW, OLD, PAGE, IEEE)
-        if IEEE:
-            z = tl.dot(o.to(dtype), w, input_precision="ieee")
-        else:
-            z = tl.dot(o.to(dtype), w)
-        own = (c // BLOCK_N)[None, :] == head[:, None]
-        cols = col0 + tl.arange(0, BLOCK_N)
-        for t in tl.static_range(T):
-            zt = tl.sum(tl.where(own & ((t_q == t) & q_valid)[:, None], z, 0.0), 0)
-            y = tl.sum(tl.reshape(zt, [HQ, BLOCK_N]), 0).to(dtype)
-            at = (b * T + t) * N + cols
-            res = tl.load(r_ptr + at, mask=cols < N, other=0.0)
-            tl.store(y_ptr + at, (y.to(tl.float32) + res.to(tl.float32)).to(dtype), mask=cols < N)
 
 
 def decode_attention_supports(head_dim: int) -> bool:
@@ -619,81 +544,6 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight
     if config is None:
         key = attention_timing_key(b, t, heads, kv_heads, qkv.dtype, cache, kmax)
         config = fastest(key, attention_configs(cache), launch_on_scratch, scratch_layers)
-    launch(config)
-    return out
-
-
-# Over a short cache at up to ATTENTION_OUT_ROWS rows (one stream, the code predictor's 75 attention
-# layers a frame), the attention and the output projection with its residual add in one kernel
-# (`attention_out`): a link fewer in the decode step's chain of kernels. Each program works out the
-# row's whole attention again, so more rows keep the two kernels. QWEN3_TTS_ATTENTION_OUT=0: never.
-ATTENTION_OUT = os.environ.get("QWEN3_TTS_ATTENTION_OUT", "1") != "0"
-ATTENTION_OUT_ROWS = 2
-ATTENTION_OUT_CONFIGS = [dict(BLOCK_N=n, num_warps=w, PRELOAD_KV=p) for n, w, p in
-                         ((8, 8, True), (8, 4, True), (4, 4, True), (4, 8, True), (16, 8, True), (8, 16, True),
-                          (8, 8, False), (4, 4, False), (16, 8, False))]
-
-
-def attention_out_supports(rows: int, kv_heads: int, cache) -> bool:
-    """Whether `attention_out` takes a call of this many rows over this cache (a short one)."""
-    return (ATTENTION_OUT and SHORT_ATTENTION and triton is not None and rows <= ATTENTION_OUT_ROWS
-            and kv_heads == cache.kv_heads and decode_attention_supports(cache.head_dim)
-            and triton.next_power_of_2(cache.capacity) * kv_heads <= SHORT_ATTENTION_MAX_KEYS)
-
-
-def attention_out(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm_weight: torch.Tensor,
-                  k_norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, cache, layer: int,
-                  start: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, in_place: bool = False,
-                  config: dict | None = None) -> torch.Tensor:
-    """residual + decode_attention(qkv, ...) @ weight.T in one kernel -> [B, T, N] (`_attention_out_kernel`;
-    where `attention_out_supports`). The arguments are `decode_attention`'s, then the output
-    projection's weight [N, heads * head_dim] and the residual [B, T, N]; in_place: the residual is the
-    caller's own buffer, dead after the call, and the result is written into it. config: one of
-    ATTENTION_OUT_CONFIGS; by default the fastest, timed once on the GPU over scratch caches and weight
-    copies that overflow L2, as `decode_attention` and `linear` are."""
-    b, t, width = qkv.shape
-    head_dim, n = cache.head_dim, weight.shape[0]
-    if (not attention_out_supports(b, kv_heads, cache) or width != (heads + 2 * kv_heads) * head_dim
-            or weight.shape[1] != heads * head_dim or residual.shape != (b, t, n)):
-        raise ValueError(f"attention_out: unsupported shapes qkv {tuple(qkv.shape)}, weight {tuple(weight.shape)}, "
-                         f"residual {tuple(residual.shape)}, cache of {cache.kv_heads} x {head_dim}")
-    qkv = qkv.contiguous()
-    residual = residual if residual.is_contiguous() else residual.contiguous()
-    out = residual if in_place else torch.empty_like(residual)
-    shapes = dict(T=t, G=heads // kv_heads, HQ=heads, HKV=kv_heads, D=head_dim, M=_query_rows(t, heads, 1),
-                  NEW=max(16, triton.next_power_of_2(t * kv_heads)),
-                  OLD=max(16, triton.next_power_of_2(cache.capacity) * kv_heads), PAGE=cache.page_size,
-                  IEEE=qkv.dtype == torch.float32, num_stages=1, **pdl_options(qkv))
-
-    def launch(c, cache=cache, layer=layer, start=start, weight=weight, out=out, compile_only=False):
-        k_offset, v_offset = cache.layer_offsets(layer)
-        launch_kernel(_attention_out_kernel, (triton.cdiv(n, c["BLOCK_N"]), b),
-                      (qkv, weight, residual, out, cache.anchor, cache.table, start, q_norm_weight, k_norm_weight,
-                       inv_freq, qkv.stride(0), qkv.stride(1), cache.table.stride(0), k_offset, v_offset,
-                       cache.capacity, eps, head_dim ** -0.5, n),
-                      dict(shapes, BLOCK_N=c["BLOCK_N"], num_warps=c["num_warps"], PRELOAD_KV=c["PRELOAD_KV"]),
-                      compile_only)
-
-    @functools.cache
-    def scratch():      # layers enough that their weight copies overflow L2, and an output of their own
-        layers = copies_beyond_l2(weight.numel() * weight.element_size(), weight.device)
-        scratch_cache, scratch_start = _timing_cache(cache, layers, b, t, start, _timing_keys(cache))
-        weights = [weight] + [weight.clone() for _ in range(layers - 1)]
-        return scratch_cache, scratch_start, weights, torch.empty_like(residual)
-
-    def launch_on_scratch(c, compile_only=False):
-        scratch_cache, scratch_start, weights, scratch_out = scratch()
-        launch(c, scratch_cache, 0, scratch_start, weights[0], scratch_out, compile_only)
-
-    def scratch_layers():
-        scratch_cache, scratch_start, weights, scratch_out = scratch()
-        return [functools.partial(launch, cache=scratch_cache, layer=i, start=scratch_start, weight=w, out=scratch_out)
-                for i, w in enumerate(weights)]
-
-    if config is None:
-        key = ("attention_out", b, t, heads, kv_heads, head_dim, qkv.dtype, cache.capacity, cache.page_size, n)
-        config = fastest(key, ATTENTION_OUT_CONFIGS, launch_on_scratch, scratch_layers,
-                         off_gpu=dict(BLOCK_N=min(64, triton.next_power_of_2(n)), num_warps=4, PRELOAD_KV=True))
     launch(config)
     return out
 
