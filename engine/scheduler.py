@@ -19,11 +19,12 @@ Each iteration of the engine loop:
      with its state intact, and one past its text feeds tts_eos then tts_pad;
   5. while the GPU runs it, read back what the previous iteration launched: send the audio of its
      vocoder windows (and the results of the sessions whose last audio that was), and take its
-     step's frames and ends (EOS, frame limit: the slot is free at once);
+     step's frames and ends (EOS, frame limit);
   6. launch the streaming vocoder, batched, on the windows that are due (`engine.streaming`: they
      grow while the listener holds enough audio, judged from the recent time per step), and on
-     the last frames of the sessions that ended; on a GPU they run on a stream of their own, beside
-     the next step.
+     the last frames of the sessions that ended, which hold their slots until that audio is sent;
+     on a GPU they run on a stream of their own, beside the next step, each once the step that
+     made its frames is done.
 
 The host thus works one step behind the GPU, which always has the next step queued: the host's work
 per frame (admissions, bookkeeping, sending audio) is hidden behind the device's, where it used to
