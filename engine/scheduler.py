@@ -470,8 +470,9 @@ class Scheduler:
                 self._close(s, "error", "scheduler stopped")
 
     def _sessions_in_flight(self) -> list[_Session]:
-        """Sessions holding a slot, and those whose last audio is still on its way."""
-        return [*(s for s in self._by_slot if s is not None), *self._launched.ending]
+        """Sessions holding a slot, and those whose last audio is still on its way (each once: a
+        draining session is both)."""
+        return list(dict.fromkeys([*(s for s in self._by_slot if s is not None), *self._launched.ending]))
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once asked to stop."""
