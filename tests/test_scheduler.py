@@ -608,16 +608,16 @@ def test_a_slot_goes_to_the_next_session_once_the_last_audio_of_the_one_before_i
     """An ended session holds its slot until its last window's audio is sent (on a GPU that window may
     take its codes from the slot's ring after later steps were launched: no other session may write
     there first); then the next session takes the slot, and each gets all of its own audio."""
-    with Scheduler(model, 1, overlap=overlap) as sch:
-        handles, closed_at_start = [], []
-        start = sch.vocoder.start
+    sch = Scheduler(model, 1, overlap=overlap)
+    closed_at_start, start = [], sch.vocoder.start
 
-        def recording_start(slots, ref_codes):
-            closed_at_start.append([h._session.closed for h in handles])
-            return start(slots, ref_codes)
-        sch.vocoder.start = recording_start
-        handles += [sch.submit(request(voices, "xvec_en", SamplingParams(seed=i, min_new_tokens=n), max_frames=n))
-                    for i, n in enumerate((5, 7, 3))]
+    def recording_start(slots, ref_codes):
+        closed_at_start.append([h._session.closed for h in handles])
+        return start(slots, ref_codes)
+    sch.vocoder.start = recording_start
+    handles = [sch.submit(request(voices, "xvec_en", SamplingParams(seed=i, min_new_tokens=n), max_frames=n))
+               for i, n in enumerate((5, 7, 3))]      # all queued before the engine thread starts
+    with sch:
         results = [h.collect(60) for h in handles]
     assert closed_at_start == [[False] * 3, [True, False, False], [True, True, False]]
     for (chunks, result), n in zip(results, (5, 7, 3)):
