@@ -190,9 +190,6 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         predictor = _pick(PredictorConfig, predictor_raw, transformer=_pick(TransformerConfig, predictor_raw))
     except TypeError as e:
         raise ModelFolderError(f"{model_dir / 'config.json'}: {e}") from e
-    if predictor.transformer.hidden_size != talker.transformer.hidden_size:
-        raise ModelFolderError("code predictor hidden size differs from the talker's "
-                               "(small_to_mtp_projection models such as 1.7B are not supported yet)")
     speaker = _pick(SpeakerConfig, _tupled(top.get("speaker_encoder_config", {})))
     if speaker.enc_dim != talker.transformer.hidden_size:
         raise ModelFolderError(f"speaker encoder dimension {speaker.enc_dim} differs from the talker's hidden size "

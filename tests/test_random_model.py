@@ -88,12 +88,53 @@ OTHER_SIZES = {
 }
 
 
+# ... and with a code predictor narrower than the talker (as 1.7B's: its inputs go through
+# `small_to_mtp_projection`, which has weights only then)
+NARROW_PREDICTOR = {**OTHER_SIZES, "config.json": {**OTHER_SIZES["config.json"], "talker_config": {
+    **OTHER_SIZES["config.json"]["talker_config"],
+    "code_predictor_config": {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+                              "head_dim": 32, "num_hidden_layers": 2, "intermediate_size": 80}}}}
+
+
+def test_a_narrower_code_predictor_takes_its_inputs_through_the_projection(tmp_path):
+    """Where the code predictor is narrower than the talker, the folder has
+    `talker.code_predictor.small_to_mtp_projection` (weight and bias), the engine loads it, and each of
+    a frame's 15 predictor steps projects its talker-width input (2 positions, then 1); where the
+    widths are equal there is no such tensor."""
+    from safetensors.torch import load_file
+    folder = random_model.build("tiny", 2, tmp_path / "m", overrides=NARROW_PREDICTOR)
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "talker.code_predictor.small_to_mtp_projection"
+    assert tensors[name + ".weight"].shape == (32, 64) and tensors[name + ".bias"].shape == (32,)
+    predictor = load_model(folder).talker.code_predictor
+    torch.testing.assert_close(predictor.small_to_mtp_projection.weight, tensors[name + ".weight"])
+    torch.testing.assert_close(predictor.small_to_mtp_projection.bias, tensors[name + ".bias"])
+    inputs = []
+    predictor.small_to_mtp_projection.register_forward_hook(lambda m, args, out: inputs.append(tuple(args[0].shape)))
+    g = torch.Generator().manual_seed(0)
+    h, c0_embed = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
+    with torch.no_grad():
+        codes = predictor.predict(h, c0_embed, lambda logits, group, embed: _greedy(logits, embed))
+    assert codes.shape == (3, 15) and inputs == [(3, 2, 64)] + [(3, 1, 64)] * 14
+    equal = load_file(str(random_model.build("tiny", 2, tmp_path / "e", overrides=OTHER_SIZES) / "model.safetensors"))
+    assert not any("small_to_mtp_projection" in k for k in equal)
+
+
+def _greedy(logits: torch.Tensor, embed) -> torch.Tensor:
+    ids = logits.argmax(dim=-1)
+    if embed is not None:
+        table, out = embed
+        out.copy_(table[ids])
+    return ids
+
+
+@pytest.mark.parametrize("sizes", [OTHER_SIZES, NARROW_PREDICTOR], ids=["other-sizes", "narrow-predictor"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
-def test_a_model_of_other_sizes_streams_what_it_synthesizes(tmp_path, overlap):
+def test_a_model_of_other_sizes_streams_what_it_synthesizes(tmp_path, overlap, sizes):
     """The engine takes every size from the folder's configs: a model unlike the golden one streams,
     x-vector and ICL, the codes and audio of the one-shot synthesis."""
     from engine.scheduler import Scheduler
-    model = load_model(random_model.build("tiny", 1, tmp_path / "m", overrides=OTHER_SIZES))
+    model = load_model(random_model.build("tiny", 1, tmp_path / "m", overrides=sizes))
     assert model.config.talker.transformer.num_hidden_layers == 3 and model.config.decoder.latent_dim == 48
     ref = np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1
     for voice in (model.make_voice(ref, 24000), model.make_voice(ref, 24000, "A reference transcript.")):

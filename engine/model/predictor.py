@@ -2,8 +2,9 @@
 
 MODEL.md section 3. Parameter names mirror `talker.code_predictor.*` of the checkpoint:
 `model.layers.N.*`, `model.norm`, `model.codec_embedding.{0..14}` (embeds codebook i+1) and
-`lm_head.{0..14}` (predicts codebook i+1). For 0.6B `small_to_mtp_projection` is the identity and has
-no weights; configs where it is not are rejected by `engine.config.load_config`.
+`lm_head.{0..14}` (predicts codebook i+1), and `small_to_mtp_projection`: the talker-width inputs
+projected to the predictor's width where the two differ (1.7B: 2048 -> 1024, with a bias); where they
+are the same (0.6B) it is the identity and has no weights (MODEL.md 3.1, T13).
 """
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ class CodePredictor(nn.Module):
         self.model = PredictorModel(cfg, talker_hidden)
         self.lm_head = nn.ModuleList(nn.Linear(cfg.transformer.hidden_size, cfg.vocab_size, bias=False)
                                      for _ in range(self.num_steps))
+        hidden = cfg.transformer.hidden_size
+        self.small_to_mtp_projection = nn.Linear(talker_hidden, hidden) if hidden != talker_hidden else None
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Talker-width inputs [..., talker_hidden] at the predictor's width (`small_to_mtp_projection`)."""
+        return x if self.small_to_mtp_projection is None else self.small_to_mtp_projection(x)
 
     def new_cache(self, num_slots: int) -> KVCache:
         """A cache for `num_slots` rows of one frame (num_code_groups positions each).
@@ -64,11 +71,11 @@ class CodePredictor(nn.Module):
           rows into (the fused sampling kernel does this as it picks: no lookup kernel of its own).
         cache: from `new_cache(n)` with n >= B, reused across frames; None allocates one.
         Step 1 runs the 2 positions [h, c0_embed] at positions 0, 1; step s runs CPE[s-1](c_{s-1})
-        at position s. Positions restart at 0 every frame (MODEL.md 3.2).
+        at position s, each input through `project`. Positions restart at 0 every frame (MODEL.md 3.2).
         """
         b = h.shape[0]
         cache = self.new_cache(b) if cache is None else cache
-        x = torch.stack([h, c0_embed], dim=1)
+        x = self.project(torch.stack([h, c0_embed], dim=1))
         # positions[p] = [p] * B: each step's start, made at once (one kernel, not one a step)
         positions = torch.arange(self.num_steps + 1, device=h.device)[:, None].expand(-1, b).contiguous()
         start = positions[0]
@@ -78,8 +85,9 @@ class CodePredictor(nn.Module):
             hidden = self.model(x, cache, start, kmax=step + 1, final_norm=False)
             logits = self.model.head(hidden[:, -1], self.lm_head[step - 1], normed=False)
             if step < self.num_steps:       # the sampler writes the next step's input, CPE[step-1](ids)
-                x = torch.empty_like(h)[:, None]
-                codes.append(sample_fn(logits, step, (self.model.codec_embedding[step - 1].weight, x[:, 0])))
+                embedded = torch.empty_like(h)
+                codes.append(sample_fn(logits, step, (self.model.codec_embedding[step - 1].weight, embedded)))
+                x = self.project(embedded[:, None])
                 start = positions[step + 1]
             else:
                 codes.append(sample_fn(logits, step, None))
