@@ -81,7 +81,7 @@ def decode(model, codes: list[torch.Tensor], ref_codes: list[torch.Tensor | None
     total = max(f.shape[0] for f in full)
     if total == 0:
         return [np.zeros(0, dtype=np.float32) for _ in codes]
-    padded = torch.full((len(full), total, 16), -1, dtype=torch.long)
+    padded = torch.full((len(full), total, model.config.talker.num_code_groups), -1, dtype=torch.long)
     for i, f in enumerate(full):
         padded[i, :f.shape[0]] = f
     lengths = torch.tensor([f.shape[0] for f in full])

@@ -96,6 +96,12 @@ NARROW_PREDICTOR = {**OTHER_SIZES, "config.json": {**OTHER_SIZES["config.json"],
                               "head_dim": 32, "num_hidden_layers": 2, "intermediate_size": 80}}}}
 
 
+# ... and with 8 codebooks a frame instead of 16 (the talker, its code predictor, both speech-tokenizer halves)
+EIGHT_CODEBOOKS = {"config.json": {"talker_config": {"num_code_groups": 8, "code_predictor_config": {"num_code_groups": 8}}},
+                   "speech_tokenizer/config.json": {"decoder_config": {"num_quantizers": 8},
+                                                    "encoder_valid_num_quantizers": 8}}
+
+
 def test_a_narrower_code_predictor_takes_its_inputs_through_the_projection(tmp_path):
     """Where the code predictor is narrower than the talker, the folder has
     `talker.code_predictor.small_to_mtp_projection` (weight and bias), the engine loads it, and each of
@@ -128,14 +134,18 @@ def _greedy(logits: torch.Tensor, embed) -> torch.Tensor:
     return ids
 
 
-@pytest.mark.parametrize("sizes", [OTHER_SIZES, NARROW_PREDICTOR], ids=["other-sizes", "narrow-predictor"])
+@pytest.mark.parametrize("sizes", [OTHER_SIZES, NARROW_PREDICTOR, EIGHT_CODEBOOKS],
+                         ids=["other-sizes", "narrow-predictor", "eight-codebooks"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
 def test_a_model_of_other_sizes_streams_what_it_synthesizes(tmp_path, overlap, sizes):
     """The engine takes every size from the folder's configs: a model unlike the golden one streams,
     x-vector and ICL, the codes and audio of the one-shot synthesis."""
     from engine.scheduler import Scheduler
     model = load_model(random_model.build("tiny", 1, tmp_path / "m", overrides=sizes))
-    assert model.config.talker.transformer.num_hidden_layers == 3 and model.config.decoder.latent_dim == 48
+    talker, decoder = sizes["config.json"]["talker_config"], sizes["speech_tokenizer/config.json"]["decoder_config"]
+    got = {**vars(model.config.talker.transformer), **vars(model.config.talker)}
+    assert all(got[k] == v for k, v in talker.items() if not isinstance(v, dict))
+    assert all(getattr(model.config.decoder, k) == v for k, v in decoder.items() if hasattr(model.config.decoder, k))
     ref = np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1
     for voice in (model.make_voice(ref, 24000), model.make_voice(ref, 24000, "A reference transcript.")):
         request = SpeechRequest("Hello there, a model of other sizes.", voice, "english",
