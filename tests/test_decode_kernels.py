@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.model.layers import Attention, RMSNorm, causal_mask, rope_cos_sin, rope_inv_freq
-from engine.requests import SamplingParams
+from engine.requests import SamplingParams, SpeechRequest
 from engine.runner import ModelRunner
 from engine.synth import synthesize
 from tests.test_golden_generation import golden_requests
@@ -623,3 +623,22 @@ def test_triton_compiles_are_counted(kernels):
     before = kernels.launch.compiles
     hook(key=None, repr="k", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
     assert kernels.launch.compiles == before + 1
+
+
+def test_fused_decode_of_a_narrower_code_predictor_matches_the_plain_ops(kernels, tmp_path):
+    """A code predictor narrower than the talker (its inputs through `small_to_mtp_projection`) on the
+    fused decode path gives the plain ops' greedy codes (the talker's 16-wide heads keep the plain ops,
+    as `DecoderStack.fuse` decides on a GPU)."""
+    from engine.testing import random_model
+    from tests.test_random_model import NARROW_PREDICTOR
+    folder = random_model.build("tiny", 4, tmp_path / "m", overrides=NARROW_PREDICTOR)
+    plain, fused = load_model(folder), load_model(folder)
+    for stack in (fused.talker.model, fused.talker.code_predictor.model):
+        stack.fuse()
+        stack.fused_decode = kernels.decode_attention_supports(stack.layers[0].self_attn.head_dim)
+    assert fused.talker.code_predictor.model.fused_decode and not fused.talker.model.fused_decode
+    ref = np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1
+    codes = [synthesize(m, [SpeechRequest("Hello there, a narrower predictor.", m.make_voice(ref, 24000), "english",
+                                          SamplingParams(greedy=True), max_frames=4)])[0].codes for m in (plain, fused)]
+    assert codes[0].shape == (4, 16)
+    np.testing.assert_array_equal(codes[1], codes[0])
