@@ -266,14 +266,13 @@ class StreamingVocoder:
         """
         count = self.count[slots]
         if after is None:
-            idx, codes = self._gather(slots, frames)
-            context = self.stream.enter(idx, codes)
+            idx, codes = self._gather(slots, frames, count)
+            with self.stream.enter(idx, codes):
+                audio = self._decode(idx, codes)
         else:
-            context = self.stream.enter(after=after)
-        with context:
-            if after is not None:
-                idx, codes = self._gather(slots, frames)
-            audio = self._decode(idx, codes)
+            with self.stream.enter(after=after):
+                idx, codes = self._gather(slots, frames, count)
+                audio = self._decode(idx, codes)
         if (count < frames).any():
             audio = WindowAudio([audio], samples=count * self.streams.vocoder.samples_per_frame)
         self.started[slots] = np.where(self.decoded[slots] == 0, time.monotonic(), self.started[slots])
@@ -281,14 +280,13 @@ class StreamingVocoder:
         self.decoded[slots] += frames
         return audio
 
-    def _gather(self, slots: np.ndarray, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, slots: np.ndarray, frames: int, count: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots' indices and their next `frames` codes [n, frames, 16] from the rings, on the
-        current stream; a last window's frames beyond its count are code 0 (the ring may hold anything
+        current stream; a last window's frames beyond its `count` are code 0 (the ring may hold anything
         there)."""
         idx = self._index(slots)
         ring = self._index((self.decoded[slots, None] + np.arange(frames)) % self.ring)
         codes = self.pending[idx[:, None], ring]
-        count = self.count[slots]
         if (count < frames).any():
             codes = codes * (self._index(np.arange(frames)[None, :] < count[:, None])[..., None])
         return idx, codes
