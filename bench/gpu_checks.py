@@ -6,8 +6,7 @@
   streaming decode of the same frames;
 - the vocoder's Triton kernels (SnakeBeta writing the next conv's context ahead of its output, a
   residual unit's SnakeBeta + 1x1 conv + residual add, the transformer's windowed attention with its
-  RoPE) against the PyTorch ops they replace, on streaming windows; the residual tail that makes the
-  next conv's input against a SnakeBeta kernel of its own;
+  RoPE) against the PyTorch ops they replace, on streaming windows;
 - a scheduler turn with every graph on against the same turn with none (greedy codes, audio);
 - a greedy turn before and after the KV cache's pages were handed back and taken again elsewhere;
 - the sampling kernel (Gumbel noise hashed in the kernel) against the plain ops' draws;
@@ -102,7 +101,6 @@ def vocoder_kernels_vs_torch_ops(model) -> dict:
     fused = _streamed_windows(model, 4)
     with mock.patch.multiple(vocoder, snake_beta=kernels.snake_beta_reference,
                              residual_tail=kernels.residual_tail_reference,
-                             residual_tail_snake=kernels.residual_tail_snake_reference,
                              window_attention=kernels.window_attention_reference):
         plain = _streamed_windows(model, 4)
     e = err(fused, plain)
@@ -121,18 +119,6 @@ def vocoder_channels_last_vs_first(model) -> dict:
     e = err(last, first)
     # cuDNN's kernels for either layout round differently: bf16 rounding apart, not more
     return dict(check="vocoder_channels_last_vs_first", **e, ok=e["rel_rms"] < 0.03)
-
-
-def tail_snake_vs_separate(model) -> dict:
-    """The streamed windows with each residual tail making the next conv's input (`vocoder.TAIL_SNAKE`,
-    the default: the output over x, the SnakeBeta in the same kernel) and with a SnakeBeta kernel
-    of its own: each value rounded the same way, so the same audio bit for bit."""
-    from engine.model import vocoder
-    with mock.patch.object(vocoder, "TAIL_SNAKE", True):
-        fused = _streamed_windows(model, 6)
-    with mock.patch.object(vocoder, "TAIL_SNAKE", False):
-        separate = _streamed_windows(model, 6)
-    return dict(check="tail_snake_vs_separate", **err(fused, separate), ok=torch.equal(fused, separate))
 
 
 def scheduler_graphs_vs_eager(model) -> dict:
@@ -402,7 +388,7 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="comma-separated names of the checks to run (default: all)")
     args = ap.parse_args()
     checks = (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops,
-              vocoder_channels_last_vs_first, tail_snake_vs_separate, scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
+              vocoder_channels_last_vs_first, scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
               dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, scheduler_does_not_wait_for_the_gpu,
               split_attention_vs_one_program,
               short_attention_vs_per_head)

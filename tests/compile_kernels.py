@@ -115,22 +115,17 @@ def main() -> None:
                                    stride_left=i32),
                               dict(HAS_BIAS=bias, HAS_LEFT=left, BLOCK_C=c["BLOCK_C"], BLOCK_T=c["BLOCK_T"], **unit),
                               num_warps=c["num_warps"])
-            # every config `residual_tail` may time and pick (bf16); the first in fp32 (with x's own bias: a
-            # decoder block's first unit), alone and with the next SnakeBeta (`residual_tail_snake`: the
-            # output kept, or not after a block's last unit)
+            # every config `residual_tail` may time and pick (bf16); the first in fp32
+            # (with x's own bias: a decoder block's first unit)
             for c in k.RESIDUAL_TAIL_CONFIGS[:None if dtype == "bf16" else 1]:
                 for x_bias in (False, True):
-                    for keep, nxt in ((True, False), (True, True), (False, True))[:None if not x_bias else 2]:
-                        build(k.vocoder._residual_tail_kernel,
-                              dict(x_ptr=p, y_ptr=p, out_ptr=p, a_ptr=p, b_ptr=p, y_bias_ptr=p, w_ptr=p, bias_ptr=p,
-                                   x_bias_ptr=p, next_ptr=p, next_a_ptr=p, next_b_ptr=p, left_ptr=p, C=i32, T=i32,
-                                   L=i32, stride_xb=i32, stride_xc=i32, stride_xt=i32, stride_yb=i32, stride_yc=i32,
-                                   stride_yt=i32, stride_ob=i32, stride_oc=i32, stride_ot=i32, stride_nb=i32,
-                                   stride_nc=i32, stride_nt=i32, stride_left=i32),
-                              dict(BLOCK_CO=c["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=c["BLOCK_T"], IEEE=dtype == "fp32",
-                                   HAS_X_BIAS=x_bias, KEEP=keep, NEXT=nxt,
-                                   **dict(unit_out, **{f"stride_n{adjacent}": 1})),
-                              num_warps=c["num_warps"], num_stages=3)
+                    build(k.vocoder._residual_tail_kernel,
+                          dict(x_ptr=p, y_ptr=p, out_ptr=p, a_ptr=p, b_ptr=p, y_bias_ptr=p, w_ptr=p, bias_ptr=p,
+                               x_bias_ptr=p, C=i32, T=i32, stride_xb=i32, stride_xc=i32, stride_xt=i32, stride_yb=i32,
+                               stride_yc=i32, stride_yt=i32, stride_ob=i32, stride_oc=i32, stride_ot=i32),
+                          dict(BLOCK_CO=c["BLOCK_CO"], BLOCK_CI=32, BLOCK_T=c["BLOCK_T"], IEEE=dtype == "fp32",
+                               HAS_X_BIAS=x_bias, **unit_out),
+                          num_warps=c["num_warps"], num_stages=3)
         # the 12 Hz transformer's windowed attention (16 heads of 64, its one config)
         build(k.vocoder._window_attention_kernel,
               dict(q_ptr=p, k_ptr=p, v_ptr=p, out_ptr=p, cos_ptr=p, sin_ptr=p, first_ptr="*i64", t=i32, S=i32,

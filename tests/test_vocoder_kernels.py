@@ -67,39 +67,6 @@ def test_residual_tail_matches_the_reference(kernels, channels, samples, layout,
                                                                     x_bias), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("channels, samples, layout", [(96, 150, "channels_first"), (40, 64, "channels_last"),
-                                                       (160, 130, "channels_last")])
-@pytest.mark.parametrize("config", range(len(RESIDUAL_TAIL_CONFIGS)))
-@pytest.mark.parametrize("keep, n_left", [(True, 54), (False, 1), (True, 130)])
-def test_residual_tail_with_the_next_snake_beta_matches_the_reference(kernels, channels, samples, layout, config,
-                                                                       keep, n_left):
-    """A residual unit's tail that also makes the next conv's input (the SnakeBeta of its output
-    after that conv's context, which may span several sample blocks): the output over x (or not
-    written, keep=False) and that input as the separate ops give them, in every config and layout."""
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, channels, samples + 6, generator=g)
-    y = torch.randn(2, channels, samples, generator=g)
-    if layout == "channels_last":
-        x, y = channels_adjacent(x), channels_adjacent(y)
-    x = x[..., 3:-3]
-    log_alpha, log_beta, y_bias, bias, x_bias, next_alpha, next_beta = (torch.randn(channels, generator=g) * 0.5
-                                                                        for _ in range(7))
-    weight = torch.randn(channels, channels, 1, generator=g) / channels ** 0.5
-    left = torch.randn(2, 5 + channels * n_left, generator=g)[:, 5:].view(2, channels, n_left)   # a state row's view
-    args = (x, y, log_alpha, log_beta, y_bias, weight, bias, x_bias, next_alpha, next_beta, left, keep)
-    want_out, want_next = kernels.residual_tail_snake_reference(*args)
-    x_before = x.clone()
-    out, nxt = kernels.residual_tail_triton(*args[:7], RESIDUAL_TAIL_CONFIGS[config], x_bias=x_bias,
-                                            then=(next_alpha, next_beta, left), keep=keep)
-    torch.testing.assert_close(nxt, want_next, atol=1e-5, rtol=1e-5)
-    assert (nxt.stride(1) == 1) == (layout == "channels_last") and torch.equal(nxt[..., :n_left], left)
-    if keep:
-        assert out is x
-        torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
-    else:
-        assert out is None and torch.equal(x, x_before)
-
-
 @pytest.mark.parametrize("t, started, kv_heads", [(8, (0, 3, 200), 4), (2, (1, 0, 71), 4), (40, (0, 90, 5), 2),
                                                   (1, (70, 0, 2), 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

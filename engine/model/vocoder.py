@@ -20,39 +20,29 @@ from torch import nn
 
 from ..config import DecoderConfig
 from .layers import LayerScale, RMSNorm, SwiGLU, rope_cos_sin, rope_inv_freq
-from .kernels import new_samples, residual_tail, residual_tail_snake, snake_beta, window_attention
+from .kernels import new_samples, residual_tail, snake_beta, window_attention
 
 # Checkpoint tensors the decode path never reads (the RVQ input projections serve encoding only);
 # pass to `engine.weights.warn_unused(..., ignore_prefixes=...)` with the "decoder." prefix.
 UNUSED_KEYS = ("quantizer.rvq_first.input_proj.", "quantizer.rvq_rest.input_proj.")
 
 
-def _prepend_context(op: nn.Module, x: torch.Tensor | None, context: dict, activation=None) -> torch.Tensor:
+def _prepend_context(op: nn.Module, x: torch.Tensor, context: dict, activation=None) -> torch.Tensor:
     """[op's left context, activation(x)] along time (activation(x) alone for an op without one);
     stores a copy of the last op.context_len samples as the next context. A copy, not a view: a view
     would keep the whole input alive until the window ends, every conv's at once (10 GiB for an
     8-frame window of 256 streams on an H200).
 
     activation: a SnakeBeta to apply to x, which writes the context ahead of its output in the same
-    pass (no second copy of the activation, at the decoder's highest rates its largest tensors).
-    Where the kernel before made that already (`ResidualUnit.forward`'s `then`), it is
-    context[made(op)] and x is not read (None)."""
-    ready = context.pop(made(op), None)     # the only reference: let go once the op is done with it
-    if ready is not None:
-        x = ready
-    elif not op.context_len:
+    pass (no second copy of the activation, at the decoder's highest rates its largest tensors)."""
+    if not op.context_len:
         return x if activation is None else activation(x)
-    elif activation is None:
+    if activation is None:
         x = _cat_samples(context[op], x) if _channels_last(x) else torch.cat([context[op], x], dim=-1)
     else:
         x = activation(x, left=context[op])
     context[op] = x[..., x.shape[-1] - op.context_len:].clone()
     return x
-
-
-def made(op: nn.Module) -> tuple:
-    """The key of op's input in a window's `context` where the kernel before op made it."""
-    return op, "input"
 
 
 def _cat_samples(left: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -68,12 +58,6 @@ def _cat_samples(left: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 # under cuDNN's timing (an H100; bench/README.md, 2026-12-06 fourth session). QWEN3_TTS_CHANNELS_LAST=0
 # goes back to channels-first convs.
 CHANNELS_LAST = os.environ.get("QWEN3_TTS_CHANNELS_LAST", "1") != "0"
-
-
-# A residual unit's tail also makes the input of the conv after it, the SnakeBeta that precedes that
-# conv included (`residual_tail_snake`), where a SnakeBeta kernel of its own would read the unit's
-# output back: 12 of the decoder's 17 SnakeBetas. QWEN3_TTS_TAIL_SNAKE=0 runs them separately.
-TAIL_SNAKE = os.environ.get("QWEN3_TTS_TAIL_SNAKE", "1") != "0"
 
 
 def _channels_last(x: torch.Tensor) -> bool:
@@ -147,9 +131,9 @@ class CausalConvTranspose1d(nn.Module):
         """The kept samples, a view of the conv's output (the kernels after it read rows with a
         stride: no copy of the decoder's largest tensors); `activation` and `bias` as in
         `CausalConv1d.forward`."""
+        n = x.shape[-1] * self.stride
         x = _prepend_context(self, x, context, activation)
         first = self.context_len * self.stride            # output of the context inputs, already emitted
-        n = x.shape[-1] * self.stride - first
         b = self.conv.bias if bias else None
         if _channels_last(x):      # as `CausalConv1d`
             y = F.conv_transpose2d(_as_2d(x), _as_2d(self.conv.weight), b, stride=(1, self.stride))
@@ -196,31 +180,16 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv1d(dim, dim, 1)
 
-    def forward(self, x: torch.Tensor, context: dict, x_bias: torch.Tensor | None = None,
-                then: tuple | None = None, keep: bool = True) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor, context: dict, x_bias: torch.Tensor | None = None) -> torch.Tensor:
         """x + conv2(act2(conv1(act1(x)))): act1 in the pass that prepends conv1's context, the rest
         (conv1's bias, act2, the 1x1 conv2 and its bias, the residual add) one kernel on CUDA.
         x_bias: a per-channel bias x still lacks (the upsampling conv's, before a block's first unit),
         added in those two passes over x: cuDNN leaves a conv's bias to a pass of its own (9 of them an
-        8-frame window of 32 streams took 0.34 ms on an H100, most of it these convs').
-
-        then: the (SnakeBeta, conv) after this unit: that kernel makes the conv's input as well (the
-        SnakeBeta of the output after the conv's context) into context[made(conv)], and the output
-        over x (none if not keep: nothing else reads it)."""
+        8-frame window of 32 streams took 0.34 ms on an H100, most of it these convs')."""
         act1 = self.act1 if x_bias is None else functools.partial(self.act1, bias=x_bias)
         y = self.conv1(x, context, bias=False, activation=act1)
-        tail = (x, y, self.act2.alpha, self.act2.beta, self.conv1.conv.bias, self.conv2.conv.weight,
-                self.conv2.conv.bias, x_bias)
-        if then is None:
-            return residual_tail(*tail)
-        activation, conv = then
-        out, context[made(conv)] = residual_tail_snake(*tail, activation.alpha, activation.beta, context[conv], keep)
-        return out
-
-    @property
-    def first(self) -> tuple[SnakeBeta, CausalConv1d]:
-        """The unit's first SnakeBeta and the conv it feeds (the tail of the unit before may make its input)."""
-        return self.act1, self.conv1
+        return residual_tail(x, y, self.act2.alpha, self.act2.beta, self.conv1.conv.bias,
+                             self.conv2.conv.weight, self.conv2.conv.bias, x_bias=x_bias)
 
 
 class DecoderBlock(nn.Module):
@@ -240,11 +209,6 @@ class DecoderBlock(nn.Module):
         """The upsampling conv's output without its bias, and that bias (the first unit adds it)."""
         conv = self.block[1]
         return conv(x, context, activation=self.block[0], bias=False), conv.conv.bias
-
-    @property
-    def first(self) -> tuple[SnakeBeta, CausalConvTranspose1d]:
-        """The block's first SnakeBeta and the conv it feeds (the tail of a unit before may make its input)."""
-        return self.block[0], self.block[1]
 
     @property
     def units(self) -> nn.ModuleList:
@@ -426,16 +390,10 @@ class Vocoder(nn.Module):
         for upsample, convnext in self.upsample:
             h = convnext(upsample(h, context), context)
         h = self.decoder[0](h, context)
-        blocks = self.decoder[1:-2]
-        # what follows each block's last unit: the next block's first SnakeBeta and conv, or the final ones
-        followers = [*(block.first for block in blocks[1:]), (self.decoder[-2], self.decoder[-1])]
-        for block, follower in zip(blocks, followers):
+        for block in self.decoder[1:-2]:
             h, bias = block.upsample(h, context)
-            units = block.units
-            for j, unit in enumerate(units):     # each unit's input is let go once it returns (`DecoderBlock`)
-                last = j == len(units) - 1
-                then = (follower if last else units[j + 1].first) if TAIL_SNAKE else None
-                h, bias = unit(h, context, x_bias=bias, then=then, keep=not (last and TAIL_SNAKE)), None
+            for unit in block.units:     # each unit's input is let go once it returns (`DecoderBlock`)
+                h, bias = unit(h, context, x_bias=bias), None
         wav = self.decoder[-1](h, context, activation=self.decoder[-2])
         return wav.squeeze(1).clamp(min=-1, max=1)
 

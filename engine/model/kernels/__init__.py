@@ -1,7 +1,7 @@
 """Fused GPU kernels where a profile shows the time, each with the plain PyTorch ops as its reference.
 
-- `vocoder`: SnakeBeta, a residual unit's tail (SnakeBeta, 1x1 conv, residual add; the SnakeBeta
-  after it too), and the 12 Hz transformer's sliding-window attention (RoPE in), in one kernel each.
+- `vocoder`: SnakeBeta, a residual unit's tail (SnakeBeta, 1x1 conv, residual add), and the 12 Hz
+  transformer's sliding-window attention (RoPE in), in one kernel each.
 - `attention`: QK-norm + RoPE for the prefill; a decode layer's whole attention core (QK-norm, RoPE,
   K/V cache write, causal attention over the row's cache) in one kernel.
 - `gemm`: the decode path's skinny GEMMs with the RMSNorm before them and the SwiGLU gate or the
@@ -25,8 +25,7 @@ from .launch import triton
 from .sampling import SAMPLE_CONFIGS, TalkerProcessing, sample_rows
 from .step import RowState, advance_rows, embedding_sum
 from .vocoder import (RESIDUAL_TAIL_CONFIGS, SNAKE_CONFIGS, new_samples, residual_tail, residual_tail_configs,
-                      residual_tail_reference, residual_tail_snake, residual_tail_snake_reference,
-                      residual_tail_triton, snake_beta, snake_beta_reference,
+                      residual_tail_reference, residual_tail_triton, snake_beta, snake_beta_reference,
                       snake_beta_triton, window_attention, window_attention_reference,
                       window_attention_triton)
 
@@ -34,8 +33,7 @@ __all__ = ["ATTENTION_CONFIGS", "GEMV_ROWS", "RESIDUAL_TAIL_CONFIGS", "SAMPLE_CO
            "RowState", "TalkerProcessing", "advance_rows", "attention_configs", "attention_timing_key",
            "decode_attention", "decode_attention_supports", "embedding_sum", "kv_read", "kv_write", "linear",
            "linear_configs", "linear_timing_key", "new_samples", "qk_norm_rope", "qk_norm_rope_reference",
-           "residual_tail", "residual_tail_configs", "residual_tail_reference", "residual_tail_snake",
-           "residual_tail_snake_reference", "residual_tail_triton", "rms_norm",
+           "residual_tail", "residual_tail_configs", "residual_tail_reference", "residual_tail_triton", "rms_norm",
            "sample_rows", "silu_mul", "silu_mul_reference", "skinny_linear", "snake_beta", "snake_beta_reference",
            "snake_beta_triton", "triton", "window_attention", "window_attention_reference",
            "window_attention_triton"]

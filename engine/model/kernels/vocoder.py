@@ -113,19 +113,15 @@ if triton is not None:
                      mask=in_left)
 
     @triton.jit
-    def _residual_tail_kernel(x_ptr, y_ptr, out_ptr, a_ptr, b_ptr, y_bias_ptr, w_ptr, bias_ptr, x_bias_ptr,
-                              next_ptr, next_a_ptr, next_b_ptr, left_ptr, C, T, L,
+    def _residual_tail_kernel(x_ptr, y_ptr, out_ptr, a_ptr, b_ptr, y_bias_ptr, w_ptr, bias_ptr, x_bias_ptr, C, T,
                               stride_xb, stride_xc, stride_xt, stride_yb, stride_yc, stride_yt,
-                              stride_ob, stride_oc, stride_ot, stride_nb, stride_nc, stride_nt, stride_left,
-                              BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_T: tl.constexpr,
-                              IEEE: tl.constexpr, HAS_X_BIAS: tl.constexpr, KEEP: tl.constexpr, NEXT: tl.constexpr):
+                              stride_ob, stride_oc, stride_ot, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr,
+                              BLOCK_T: tl.constexpr, IEEE: tl.constexpr, HAS_X_BIAS: tl.constexpr):
         """A [BLOCK_CO channels, BLOCK_T samples] tile of one stream's output: the SnakeBeta of y's
         tile, channel block by channel block, into the 1x1 conv's GEMM (tensor cores), then its bias
         and the residual x (plus x's own bias first, HAS_X_BIAS). y and x are read once, out written
         once (the separate ops: 3 passes). x, y and out in either layout (the strides say which of
-        channels or samples are adjacent). NEXT: the SnakeBeta after the unit as well, written after
-        `left` ([C, L] a stream, samples adjacent) into next, as `_snake_beta_kernel` writes it; KEEP:
-        write out (not when only the SnakeBeta reads it)."""
+        channels or samples are adjacent)."""
         dtype = out_ptr.dtype.element_ty
         t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         co = tl.program_id(1) * BLOCK_CO + tl.arange(0, BLOCK_CO)
@@ -150,22 +146,8 @@ if triton is not None:
                     other=0.0).to(tl.float32)
         if HAS_X_BIAS:                          # rounded as the conv's own bias add rounds
             x = (x + tl.load(x_bias_ptr + co, mask=co < C, other=0.0).to(tl.float32)[:, None]).to(dtype).to(tl.float32)
-        out = (x + conv.to(dtype).to(tl.float32)).to(dtype)
-        if KEEP:
-            tl.store(out_ptr + b * stride_ob + co[:, None] * stride_oc + t[None, :] * stride_ot, out, mask=mask)
-        if NEXT:
-            cm = co < C
-            nxt = _snake(out.to(tl.float32), tl.load(next_a_ptr + co, mask=cm)[:, None],
-                         tl.load(next_b_ptr + co, mask=cm)[:, None], 0.0, False, dtype)
-            at = next_ptr + b * stride_nb + co[:, None] * stride_nc
-            tl.store(at + (L + t)[None, :] * stride_nt, nxt, mask=mask)
-            if tl.program_id(0) == 0:            # the first samples' tiles copy the left context ahead
-                for l0 in range(0, L, BLOCK_T):
-                    i = l0 + tl.arange(0, BLOCK_T)
-                    in_left = cm[:, None] & (i < L)[None, :]
-                    tl.store(at + i[None, :] * stride_nt,
-                             tl.load(left_ptr + b * stride_left + co[:, None] * L + i[None, :], mask=in_left),
-                             mask=in_left)
+        tl.store(out_ptr + b * stride_ob + co[:, None] * stride_oc + t[None, :] * stride_ot,
+                 (x + conv.to(dtype).to(tl.float32)).to(dtype), mask=mask)
 
     @triton.jit
     def _rope_rounded(x1, x2, cos_at, sin_at, HALF: tl.constexpr, dtype: tl.constexpr):
@@ -319,31 +301,6 @@ def residual_tail(x: torch.Tensor, y: torch.Tensor, log_alpha: torch.Tensor, log
     return residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, x_bias=x_bias)
 
 
-def residual_tail_snake_reference(x, y, log_alpha, log_beta, y_bias, weight, bias, x_bias, next_alpha, next_beta,
-                                  left, keep=True):
-    """`residual_tail_reference`'s output (None unless keep; the kernel writes it over x) and the
-    SnakeBeta after it (parameters next_alpha, next_beta) with `left` ahead, as `snake_beta_reference`
-    gives it."""
-    out = residual_tail_reference(x, y, log_alpha, log_beta, y_bias, weight, bias, x_bias)
-    return out if keep else None, snake_beta_reference(out, next_alpha, next_beta, None, left)
-
-
-def residual_tail_snake(x: torch.Tensor, y: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor,
-                        y_bias: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, x_bias: torch.Tensor | None,
-                        next_alpha: torch.Tensor, next_beta: torch.Tensor, left: torch.Tensor,
-                        keep: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """`residual_tail_snake_reference` in one kernel on CUDA: the next conv's input made from the
-    unit's output in registers, where a SnakeBeta of its own would read it back (after a block's last
-    unit, where nothing else reads the output, it is not written at all). The output is written over
-    x (each tile reads its own x only): with the next input it would be a tensor more alive at the
-    window's peak; the caller must not read x afterwards."""
-    if triton is None or not x.is_cuda:
-        return residual_tail_snake_reference(x, y, log_alpha, log_beta, y_bias, weight, bias, x_bias,
-                                             next_alpha, next_beta, left, keep)
-    return residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, x_bias=x_bias,
-                                then=(next_alpha, next_beta, left), keep=keep)
-
-
 # Launch configs `residual_tail` times per shape (the first is taken untimed): tiles of BLOCK_CO output
 # channels by BLOCK_T samples, stepping through the input channels BLOCK_CI (default 32) at a time in
 # num_stages (default 3). A tile computes the SnakeBeta of every input channel once, so a block of 256
@@ -360,35 +317,22 @@ def residual_tail_configs(channels: int) -> list[dict]:
 
 
 def residual_tail_triton(x, y, log_alpha, log_beta, y_bias, weight, bias, config: dict | None = None,
-                         x_bias: torch.Tensor | None = None, then: tuple | None = None, keep: bool = True):
+                         x_bias: torch.Tensor | None = None) -> torch.Tensor:
     """`residual_tail` with one of `residual_tail_configs` (default: the fastest for these shapes,
-    timed once on the GPU); with `then` = (next_alpha, next_beta, left), `residual_tail_snake`'s
-    (output written over x or None, next input)."""
+    timed once on the GPU)."""
     b, c, t = x.shape
-    out = new_samples(y, t) if then is None else x if keep else None
-    next_alpha, next_beta, left = then if then is not None else (bias, bias, None)
-    n_left = 0 if left is None else left.shape[-1]
-    if left is not None and left[0].stride() != (n_left, 1):      # as `snake_beta_triton`
-        left = left.contiguous()
-    nxt = None if then is None else new_samples(y, n_left + t)
+    out = new_samples(y, t)
 
-    def launch(cfg, compile_only=False, dst=out):
+    def launch(cfg, compile_only=False):
         grid = (triton.cdiv(t, cfg["BLOCK_T"]), triton.cdiv(c, cfg["BLOCK_CO"]), b)
-        held = dst if dst is not None else nxt             # for the pointers a launch leaves unused
-        made = nxt if nxt is not None else held
-        args = (x, y, held, log_alpha, log_beta, y_bias, weight.reshape(c, c), bias, bias if x_bias is None else x_bias,
-                made, next_alpha, next_beta, held if left is None else left, c, t, n_left,
-                *x.stride(), *y.stride(), *held.stride(), *made.stride(), 0 if left is None else left.stride(0))
+        args = (x, y, out, log_alpha, log_beta, y_bias, weight.reshape(c, c), bias, bias if x_bias is None else x_bias,
+                c, t, *x.stride(), *y.stride(), *out.stride())
         launch_kernel(_residual_tail_kernel, grid, args,
                       dict(BLOCK_CO=cfg["BLOCK_CO"], BLOCK_CI=cfg.get("BLOCK_CI", 32), BLOCK_T=cfg["BLOCK_T"],
-                           IEEE=x.dtype == torch.float32, HAS_X_BIAS=x_bias is not None, KEEP=keep,
-                           NEXT=then is not None, num_warps=cfg["num_warps"], num_stages=cfg.get("num_stages", 3)),
-                      compile_only)
-
-    def trial(cfg, compile_only=False):       # the timing's runs: not into x over and over
-        launch(cfg, compile_only, dst=out if out is not x else new_samples(y, t))
+                           IEEE=x.dtype == torch.float32, HAS_X_BIAS=x_bias is not None, num_warps=cfg["num_warps"],
+                           num_stages=cfg.get("num_stages", 3)), compile_only)
     if config is None:
-        key = ("residual_tail", c, triton.next_power_of_2(b * t), x.dtype, _channels_adjacent(y), then is not None, keep)
-        config = fastest(key, residual_tail_configs(c), trial)
+        key = ("residual_tail", c, triton.next_power_of_2(b * t), x.dtype, _channels_adjacent(y))
+        config = fastest(key, residual_tail_configs(c), launch)
     launch(config)
-    return out if then is None else (out, nxt)
+    return out
