@@ -5,7 +5,8 @@ Through 256 slots of an H100 a steady load (turns ending and joining frame by fr
 turns started together ran at 1,164x (bench/README.md, call DM). The missing time is either more GPU
 work (prefills, the small windows of new sessions) or the GPU waiting for the host; the timeline of a
 few dozen iterations in the middle of such a load tells which: per decode step, the wall time, the
-time any kernel ran (the union over streams), each stream's busy time and its kernels.
+time any kernel ran (the union over streams), each stream's busy time and its kernels, and the GPU time
+of the kernels each phase of the iteration launched (admission, prefill, step launch, ...).
 
     python -m bench.steady_timeline --model-dir /tmp/rand06b --slots 256 --turns 1024 --out results.jsonl
 """
@@ -65,21 +66,75 @@ def summarize(activity: list[tuple[int, int, int, str]], steps: int, wall_ns: in
                 gpu_idle_ms_per_step=round(wall - busy, 3), streams=by_stream)
 
 
+def phase_gpu_ms(events, steps: int) -> dict:
+    """GPU ms a step of the kernels that each phase of the engine's iteration launched, from a profile's
+    events (`prof.events()`, CPU and CUDA activity): the `engine.<phase>` ranges the scheduler opens
+    while a profiler runs, each with the kernels of the launches inside it (a CUDA graph's too)."""
+    totals = collections.Counter()
+    for e in events:
+        if e.name.startswith("engine."):
+            totals[e.name[len("engine."):]] += e.device_time_total / 1000
+    return {name: round(ms / max(steps, 1), 3) for name, ms in sorted(totals.items())}
+
+
+def _profile_steps(scheduler: Scheduler, load: threading.Thread, steps: int, activities: list) -> tuple:
+    """A profile of the next `steps` decode steps (fewer if the load ends first): (profile, wall ns, steps)."""
+    with profile(activities=activities) as prof:
+        t0, start = time.perf_counter_ns(), scheduler.stats().steps
+        while scheduler.stats().steps < start + steps and load.is_alive():
+            time.sleep(0.0005)
+        wall, done = time.perf_counter_ns() - t0, scheduler.stats().steps - start
+    return prof, wall, done
+
+
+def _profile_engine_thread(scheduler: Scheduler, load: threading.Thread, steps: int, activities: list) -> tuple:
+    """A profile of the next `steps` decode steps that the engine thread starts and stops itself, between
+    two iterations: a profiler records the host calls (and the scheduler's phase ranges) of the thread
+    that started it only. (profile, steps)."""
+    iterate, state, finished = scheduler._iterate, {}, threading.Event()
+
+    def finish():
+        del scheduler._iterate                          # the class's method again
+        if "prof" in state:
+            state["prof"].__exit__(None, None, None)
+            state["steps"] = scheduler.stats().steps - state["start"]
+        finished.set()
+
+    def profiled_iterate():
+        if "prof" not in state:
+            state["prof"] = profile(activities=activities)
+            state["prof"].__enter__()
+            state["start"] = scheduler.stats().steps
+        iterate()
+        if scheduler.stats().steps >= state["start"] + steps:
+            finish()
+
+    scheduler._iterate = profiled_iterate
+    while not finished.wait(0.01) and load.is_alive():
+        pass
+    if not finished.is_set():        # the load ended first; the engine thread idles once it has
+        load.join()
+        finish()
+    return state.get("prof"), state.get("steps", 0)
+
+
 def profile_steady(scheduler: Scheduler, voice, turns: int, slots: int, frames: int, steps: int) -> dict:
     """`turns` turns through `slots` slots (`bench.throughput.run_sustained`), profiled for `steps`
-    decode steps from the first turn's end on (every slot busy, turns joining and ending)."""
+    decode steps from the first turn's end on (every slot busy, turns joining and ending): the GPU's
+    kernels alone, then for `steps` // 2 more with the engine thread's host calls as well, which slow
+    the host further but tell which phase of the iteration launched each kernel (`phase_gpu_ms`)."""
     load = threading.Thread(target=run_sustained, args=(scheduler, voice, turns, slots, frames, 0))
     load.start()
     first_end = int(frames * 0.75) + 8          # the shortest turn of the first slots has ended by then
     while scheduler.stats().steps < first_end and load.is_alive():
         time.sleep(0.001)
-    with profile(activities=[ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]) as prof:
-        t0, start = time.perf_counter_ns(), scheduler.stats().steps
-        while scheduler.stats().steps < start + steps and load.is_alive():
-            time.sleep(0.0005)
-        wall, done = time.perf_counter_ns() - t0, scheduler.stats().steps - start
+    gpu = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    prof, wall, done = _profile_steps(scheduler, load, steps, gpu or [ProfilerActivity.CPU])
+    by_phase, phase_steps = _profile_engine_thread(scheduler, load, max(steps // 2, 1), [ProfilerActivity.CPU, *gpu])
     load.join()
-    return dict(slots=slots, turns=turns, **summarize(gpu_activity(prof), done, wall))
+    return dict(slots=slots, turns=turns, **summarize(gpu_activity(prof), done, wall),
+                gpu_ms_by_phase=phase_gpu_ms(by_phase.events() if by_phase else [], phase_steps),
+                phase_steps=phase_steps)
 
 
 def main() -> None:

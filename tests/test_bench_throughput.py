@@ -2,7 +2,9 @@
 the CPU with the tiny model (benches, not speed checks)."""
 import numpy as np
 
-from bench.steady_timeline import busy_ns, profile_steady, summarize
+from types import SimpleNamespace
+
+from bench.steady_timeline import busy_ns, phase_gpu_ms, profile_steady, summarize
 from bench.sustained_variants import run_variant
 from bench.throughput import run_sustained
 from engine.loader import load_model
@@ -49,6 +51,15 @@ def test_timeline_counts_overlapping_kernels_once_and_the_gaps_as_idle():
     assert row["streams"]["2"] == {"busy_ms": 3, "kernels": 0.5, "top": {"vocoder": 3}}
 
 
+def test_timeline_sums_the_gpu_time_each_phase_of_the_iteration_launched():
+    """The scheduler's `engine.<phase>` profiler ranges, each with its kernels' GPU time (microseconds,
+    as the profiler counts it), over 2 steps: ms a step by phase; other events left out."""
+    events = [SimpleNamespace(name=n, device_time_total=us) for n, us in
+              (("engine.step launch", 9000), ("engine.prefill", 1000), ("engine.step launch", 7000),
+               ("aten::mm", 500), ("engine.vocoder launch", 0))]
+    assert phase_gpu_ms(events, steps=2) == {"prefill": 0.5, "step launch": 8.0, "vocoder launch": 0.0}
+
+
 def test_steady_timeline_profiles_steps_in_the_middle_of_a_steady_load(tiny_model_dir):
     model = load_model(tiny_model_dir)
     voice = model.make_voice(np.random.default_rng(0).standard_normal(24000).astype(np.float32) * 0.1, 24000)
@@ -57,3 +68,6 @@ def test_steady_timeline_profiles_steps_in_the_middle_of_a_steady_load(tiny_mode
         assert scheduler.stats().steps > row["steps"] >= 4          # more steps ran before and after the window
     assert row["slots"] == 2 and row["wall_ms_per_step"] > 0
     assert row["streams"] == {} and row["gpu_busy_ms_per_step"] == 0     # no GPU here: no device activity
+    # the second profile saw the iteration's phases (no kernels on the CPU: 0 ms each)
+    assert row["phase_steps"] >= 1 and {"step launch", "read-back", "vocoder launch"} <= set(row["gpu_ms_by_phase"])
+    assert set(row["gpu_ms_by_phase"].values()) == {0}
