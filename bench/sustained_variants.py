@@ -9,7 +9,9 @@ step N back; whatever it waits for in between leaves the GPU idle while it works
   a steady load a session joins almost every frame, so almost every iteration does);
 - `windows-after-next-step`: each window takes its codes on the step's stream, behind the step
   launched after its frames' (as before the twentieth session), instead of on the vocoder's stream
-  once its frames are in (`StreamingVocoder.decode`'s `after`).
+  once its frames are in (`StreamingVocoder.decode`'s `after`);
+- `audio-after-windows`: the last iteration's audio sent after this one's windows are launched, not
+  before the step is read back (`Scheduler.audio_after_windows`).
 (The vocoder's stream at high priority bought nothing: DL, bench/README.md.)
 Each row has the load's `rtf_steady` (`bench.throughput.run_sustained`), the engine thread's seconds per
 iteration in each phase (`SchedulerStats.host_seconds`) and the idle server's median time to first audio.
@@ -31,7 +33,7 @@ from engine.requests import SamplingParams, SpeechRequest
 from engine.scheduler import Scheduler
 
 
-VARIANTS = ("as-is", "no-first-window-path", "windows-after-next-step")
+VARIANTS = ("as-is", "no-first-window-path", "windows-after-next-step", "audio-after-windows")
 
 
 @contextlib.contextmanager
@@ -44,6 +46,9 @@ def variant(scheduler: Scheduler, name: str):
     elif name == "windows-after-next-step":
         decode = vocoder.decode
         with mock.patch.object(vocoder, "decode", lambda slots, frames, after=None: decode(slots, frames)):
+            yield
+    elif name == "audio-after-windows":
+        with mock.patch.object(scheduler, "audio_after_windows", True):
             yield
     else:
         yield

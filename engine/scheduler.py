@@ -292,6 +292,13 @@ class RequestHandle:
 
 
 class Scheduler:
+    # With overlap: send the last iteration's audio after launching this one's windows, not before
+    # reading the step back. The vocoder's stream then has its next windows queued while the host waits
+    # for the last ones' audio, and the read-back and the windows' launch no longer follow that wait on
+    # the way to the next step's launch; a window's audio goes out that much later (1-2 ms on an H100).
+    # Off until a steady load measures it (`bench.sustained_variants`' `audio-after-windows`).
+    audio_after_windows = False
+
     def __init__(self, model, max_batch: int, *, window_frames: tuple[int, int] = (2, 8),
                  max_capacity: Optional[int] = None, max_cache_bytes: Optional[int] = None,
                  kv_page_size: int = 64, max_queue: int = 1024,
@@ -554,18 +561,22 @@ class Scheduler:
             phase("vocoder launch", self._launch_windows, ended, launched, launched.frames_added)
             phase("audio out", self._send_audio, launched)
             launched = _Launched()
-        elif self.vocoder.first_window_closes(previous.rows):
-            # a session's first audio is due with the step in flight: read it back first, so that
-            # window goes to the GPU ahead of the next step (time to first audio, not one step more)
-            phase("audio out", self._send_audio, previous)
-            ended = phase("read-back", self._take_step, previous)
-            phase("vocoder launch", self._launch_windows, ended, launched, previous.frames_added)
-            phase("step launch", self._launch_step, launched)
         else:
-            phase("step launch", self._launch_step, launched)
-            phase("audio out", self._send_audio, previous)
-            ended = phase("read-back", self._take_step, previous)
-            phase("vocoder launch", self._launch_windows, ended, launched, previous.frames_added)
+            def take_previous():       # the step in flight read back, its windows launched, the last ones' audio out
+                if not self.audio_after_windows:
+                    phase("audio out", self._send_audio, previous)
+                ended = phase("read-back", self._take_step, previous)
+                phase("vocoder launch", self._launch_windows, ended, launched, previous.frames_added)
+                if self.audio_after_windows:
+                    phase("audio out", self._send_audio, previous)
+            if self.vocoder.first_window_closes(previous.rows):
+                # a session's first audio is due with the step in flight: read it back first, so that
+                # window goes to the GPU ahead of the next step (time to first audio, not one step more)
+                take_previous()
+                phase("step launch", self._launch_step, launched)
+            else:
+                phase("step launch", self._launch_step, launched)
+                take_previous()
         self._launched = launched
         self._trim_cache()
         dt = time.perf_counter() - t0

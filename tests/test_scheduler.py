@@ -62,11 +62,14 @@ def voices(golden_npz):
     return out
 
 
-@pytest.fixture(params=[False, True], ids=["sequential", "overlapped"])
-def overlap(request):
+@pytest.fixture(params=["sequential", "overlapped", "audio-after-windows"])
+def overlap(request, monkeypatch):
     """The scheduler reading each step back at once (the CPU's default), or while the next one runs
-    (a CUDA device's: the host one step behind)."""
-    return request.param
+    (a CUDA device's: the host one step behind), sending the last windows' audio before or after
+    launching the next ones (`Scheduler.audio_after_windows`)."""
+    if request.param == "audio-after-windows":
+        monkeypatch.setattr(Scheduler, "audio_after_windows", True)
+    return request.param != "sequential"
 
 
 def request(voices, case, sampling=GREEDY, max_frames=31, **kw):
