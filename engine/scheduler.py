@@ -85,9 +85,9 @@ VOCODER_BATCH = 32                  # streams a vocoder graph replay decodes (H1
 
 
 def _profiled(phase: str):
-    """A profiler range `engine.<phase>` around a phase of the iteration while a torch profiler runs
-    (`bench.steady_timeline` sums the GPU time of the kernels each phase launched by it); else nothing,
-    at no cost worth counting (a range costs microseconds even when no profiler records it)."""
+    """A profiler range `engine.<phase>` around a phase of the iteration while a torch profiler runs on
+    this thread (`bench.steady_timeline` sums the GPU time of the kernels each phase launched by it);
+    else nothing: a range costs microseconds even when no profiler records it."""
     if torch.autograd._profiler_enabled():
         return torch.profiler.record_function("engine." + phase)
     return contextlib.nullcontext()

@@ -1,8 +1,8 @@
 """bench/throughput.py's sustained load, bench/sustained_variants.py and bench/steady_timeline.py, on
 the CPU with the tiny model (benches, not speed checks)."""
-import numpy as np
-
 from types import SimpleNamespace
+
+import numpy as np
 
 from bench.steady_timeline import busy_ns, phase_gpu_ms, profile_steady, summarize
 from bench.sustained_variants import run_variant
