@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import soundfile as sf
 import torch
 
-from engine.audio_io import TARGET_RATE, AudioError, load_reference
+from engine.audio_io import BUILTIN_VOICE_WAV, TARGET_RATE, AudioError, load_reference
 from engine.loader import load_model
 from engine.requests import SamplingParams, SpeechRequest, VoicePrompt
 from engine.scheduler import VOCODER_BATCH, Overloaded, RequestHandle, Scheduler
@@ -32,7 +32,6 @@ from .voices import VoiceStore, valid_voice_id
 
 log = logging.getLogger("qwen3_tts.server")
 
-DEFAULT_VOICE_WAV = Path(__file__).resolve().parent / "assets" / "default_voice.wav"
 DEFAULT_VOICE_ID = "default"
 # OpenAI's built-in voice names: clients send one (the field is required there); they mean "the default".
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage",
@@ -143,7 +142,7 @@ class Service:
             self.sampling_defaults = default_sampling(self.model.config.generation)
             self.voices = VoiceStore(self.settings.voices_dir, int(self.model.config.talker.transformer.hidden_size))
             await asyncio.to_thread(self.voices.load)
-            wav, sr = sf.read(str(DEFAULT_VOICE_WAV), dtype="float32")
+            wav, sr = sf.read(str(BUILTIN_VOICE_WAV), dtype="float32")
             self.builtin_voice = await asyncio.to_thread(self.model.make_voice, wav, sr)
             if self.settings.warmup:
                 await self._warm_up()

@@ -73,6 +73,12 @@ def resample(wav: np.ndarray, sr_in: int, sr_out: int) -> np.ndarray:
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
+# The built-in voice: espeak-ng en-us saying "Hello, this is the default voice of the speech server."
+# (3.2 s, 24 kHz PCM16), cloned from its x-vector where no reference is given (the server's default
+# voice, `qwen3-tts synth` without --ref-audio).
+BUILTIN_VOICE_WAV = Path(__file__).resolve().parent / "assets" / "default_voice.wav"
+
+
 def load_reference(data: bytes | str | Path, max_seconds: float = 30.0, min_seconds: float = 0.1) -> np.ndarray:
     """A reference voice sample (file bytes or a path) as float32 mono at 24 kHz.
 

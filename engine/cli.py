@@ -15,7 +15,7 @@ import numpy as np
 import soundfile as sf
 import torch
 
-from .audio_io import AudioError, TARGET_RATE, load_reference
+from .audio_io import BUILTIN_VOICE_WAV, AudioError, TARGET_RATE, load_reference
 from .config import ModelFolderError
 from .requests import SamplingParams, SpeechRequest
 
@@ -26,11 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen3-tts", description="Qwen3-TTS-12Hz-0.6B-Base engine tools")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("synth", help="synthesize one text to a WAV file",
-                       description="Synthesize TEXT in the voice of a reference recording.")
+                       description="Synthesize TEXT in the voice of a reference recording (default: the "
+                                   "built-in voice, the server's default).")
     p.add_argument("--model-dir", required=True, help="model folder (Hugging Face layout) or a Hugging Face id")
     p.add_argument("--text", required=True)
     p.add_argument("--language", default="auto", help="auto (default), a language name or code (english/en, ...)")
-    p.add_argument("--ref-audio", help="reference recording of the voice to clone (any rate, mono or stereo)")
+    p.add_argument("--ref-audio", help="reference recording of the voice to clone (any rate, mono or stereo; "
+                   "default: the built-in voice's x-vector, as the server's default voice)")
     p.add_argument("--ref-text", help="transcript of the reference: enables ICL cloning")
     p.add_argument("--x-vector-only", action="store_true", help="clone from the speaker embedding only")
     p.add_argument("--non-streaming-text", action="store_true",
@@ -71,9 +73,8 @@ def check_args(args) -> None:
     given = [f"--{n.replace('_', '-')}" for n in SAMPLING_FLAGS if getattr(args, n) is not None]
     if args.greedy and given:
         raise ValueError(f"--greedy takes the argmax: {', '.join(given)} would be ignored")
-    if args.ref_audio is None:
-        raise ValueError("--ref-audio is required: the Base model clones the voice of a reference recording"
-                         + (" (--ref-text needs --ref-audio)" if args.ref_text else ""))
+    if args.ref_audio is None and args.ref_text:
+        raise ValueError("--ref-text needs --ref-audio (the transcript of that recording)")
     if args.max_frames is not None and args.max_frames < 0:
         raise ValueError("--max-frames must be >= 0")
     if not args.text.strip():
@@ -93,7 +94,7 @@ def synth(args) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
     dtype = DTYPES[args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")]
-    wav = load_reference(args.ref_audio)                 # before the model: fail fast on a bad file
+    wav = load_reference(args.ref_audio or BUILTIN_VOICE_WAV)     # before the model: fail fast on a bad file
     t0 = time.perf_counter()
     model = load_model(args.model_dir, device=device, dtype=dtype, patched_regex=args.patched_regex)
     resolve_language(args.language, model.config)
@@ -109,7 +110,7 @@ def synth(args) -> int:
         np.save(args.codes_out, result.codes.astype(np.int64))
     seconds = result.wav.shape[0] / model.config.sample_rate
     print(f"{result.codes.shape[0]} frames, {seconds:.2f} s of audio ({result.reason}), "
-          f"{'ICL' if voice.icl else 'x-vector'} voice; load {t1 - t0:.1f} s, synthesis {t2 - t1:.1f} s "
+          f"{'ICL' if voice.icl else 'x-vector'} voice{'' if args.ref_audio else ' (built-in)'}; load {t1 - t0:.1f} s, synthesis {t2 - t1:.1f} s "
           f"({seconds / max(t2 - t1, 1e-9):.2f}x real time) -> {args.out}", file=sys.stderr)
     return 0
 

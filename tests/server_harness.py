@@ -25,7 +25,7 @@ from app.service import Settings
 from engine.requests import AudioChunk, TurnResult
 from engine.scheduler import Overloaded, SchedulerStats
 
-REF_WAV = Path(__file__).resolve().parents[1] / "app" / "assets" / "default_voice.wav"
+REF_WAV = Path(__file__).resolve().parents[1] / "engine" / "assets" / "default_voice.wav"
 
 
 def free_port() -> int:

@@ -90,6 +90,20 @@ def test_bad_input(tiny_model_dir, golden_dir, tmp_path, capsys, mutate, message
     assert err.startswith("error: ") and message in err
 
 
+def test_without_a_reference_it_speaks_in_the_built_in_voice(tiny_model_dir, tmp_path, capsys):
+    """No --ref-audio: the server's default voice (the x-vector of the built-in recording), the same
+    codes as with that recording given."""
+    from engine.audio_io import BUILTIN_VOICE_WAV
+    args = ["synth", "--model-dir", tiny_model_dir, "--text", "Hello there.", "--greedy", "--max-frames", "6",
+            "--out", tmp_path / "o.wav"]
+    assert main([*args, "--codes-out", tmp_path / "builtin.npy"]) == 0
+    assert "x-vector voice (built-in)" in capsys.readouterr().err
+    assert main([*args, "--codes-out", tmp_path / "given.npy", "--ref-audio", BUILTIN_VOICE_WAV]) == 0
+    codes = np.load(tmp_path / "builtin.npy")
+    assert codes.shape == (6, 16)
+    np.testing.assert_array_equal(codes, np.load(tmp_path / "given.npy"))
+
+
 def test_ref_text_needs_ref_audio(tiny_model_dir, tmp_path, capsys):
     args = ["synth", "--model-dir", tiny_model_dir, "--text", "Hi.", "--ref-text", "words", "--out", tmp_path / "o.wav"]
     assert main(args) == 2
