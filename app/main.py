@@ -32,7 +32,7 @@ from .auth import ApiKeyMiddleware
 from .replicas.drain import DrainingServer
 from .errors import ApiError, error_response
 from .metrics import Metrics
-from .service import Service, Settings
+from .service import DEMO_MAX_FRAMES, Service, Settings
 
 log = logging.getLogger("qwen3_tts.server")
 
@@ -76,7 +76,8 @@ def parse_settings(argv: Optional[list[str]] = None, environ: Optional[dict] = N
     for name, (flag, env, kind, help_text) in OPTIONS.items():
         parser.add_argument(flag, dest=name, type=kind, default=None, help=f"{help_text} [env {env}]")
     parser.add_argument("--demo", action="store_true", default=None,
-                        help="serve a random-weight tiny model (its audio is noise) [env DEMO=1]")
+                        help="serve a random-weight tiny model (its audio is noise; a turn at most "
+                             f"{DEMO_MAX_FRAMES * 0.08:g} s unless --max-frames) [env DEMO=1]")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=None, help="skip the warm-up turn")
     args = parser.parse_args(argv)
     values = {}
@@ -90,6 +91,8 @@ def parse_settings(argv: Optional[list[str]] = None, environ: Optional[dict] = N
         if value is not None:
             values[name] = value
     values["demo"] = bool(args.demo) or environ.get("DEMO", "").lower() in TRUE
+    if values["demo"]:
+        values.setdefault("max_frames", DEMO_MAX_FRAMES)
     if args.warmup is not None:
         values["warmup"] = args.warmup
     return dataclasses.replace(Settings(), **values)

@@ -37,6 +37,9 @@ DEFAULT_VOICE_ID = "default"
 OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage",
                            "shimmer", "verse", "marin", "cedar"})
 DEMO_MODEL_NAME = "qwen3-tts-demo-random-tiny"   # random weights: the audio is noise
+# --demo's cap on a turn unless --max-frames says otherwise (20 s): random weights seldom sample the end
+# of speech, and a turn would run to the model's limit (8,192 frames, 11 minutes of noise)
+DEMO_MAX_FRAMES = 250
 RETRY_AFTER_S = 1.0
 WARMUP_TEXT = "Hello."
 WARMUP_KV_KEYS = 1024      # CUDA graphs captured at start for turns up to this many cache positions

@@ -26,6 +26,9 @@ def test_flags_win_over_environment():
         ("models/0.6b-base", "127.0.0.1", 8090, None, "voices", False, None, 4096)
     with pytest.raises(SystemExit):
         parse_settings([], {"PORT": "eighty"})
+    # --demo caps a turn (random weights seldom end one) unless told otherwise; a real model is not capped
+    assert (s.max_frames, d.max_frames) == (250, None)
+    assert parse_settings(["--demo", "--max-frames", "40"], {}).max_frames == 40
 
 
 def test_demo_serves_without_weights(tmp_path):
