@@ -77,7 +77,7 @@ def parse_settings(argv: Optional[list[str]] = None, environ: Optional[dict] = N
         parser.add_argument(flag, dest=name, type=kind, default=None, help=f"{help_text} [env {env}]")
     parser.add_argument("--demo", action="store_true", default=None,
                         help="serve a random-weight tiny model (its audio is noise; a turn at most "
-                             f"{DEMO_MAX_FRAMES * 0.08:g} s unless --max-frames) [env DEMO=1]")
+                             f"{DEMO_MAX_FRAMES} frames unless --max-frames) [env DEMO=1]")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=None, help="skip the warm-up turn")
     args = parser.parse_args(argv)
     values = {}

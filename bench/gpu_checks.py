@@ -390,8 +390,7 @@ def main() -> int:
     checks = (prefill_graph_vs_eager, vocoder_runs_vs_eager, vocoder_kernels_vs_torch_ops,
               vocoder_channels_last_vs_first, scheduler_graphs_vs_eager, kv_pages_come_and_go, fused_sampling_vs_plain,
               dependent_launch_vs_plain, vocoder_stream_vs_steps_stream, scheduler_does_not_wait_for_the_gpu,
-              split_attention_vs_one_program,
-              short_attention_vs_per_head)
+              split_attention_vs_one_program, short_attention_vs_per_head)
     if args.only:
         names = args.only.split(",")
         unknown = set(names) - {c.__name__ for c in checks}
