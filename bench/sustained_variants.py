@@ -11,7 +11,9 @@ step N back; whatever it waits for in between leaves the GPU idle while it works
   launched after its frames' (as before the twentieth session), instead of on the vocoder's stream
   once its frames are in (`StreamingVocoder.decode`'s `after`);
 - `audio-after-windows`: the last iteration's audio sent after this one's windows are launched, not
-  before the step is read back (`Scheduler.audio_after_windows`).
+  before the step is read back (`Scheduler.audio_after_windows`);
+- `deferred-audio`: each window's audio sent once it has landed, looked for each iteration, and waited
+  for only where it must be (`Scheduler.defer_audio`).
 (The vocoder's stream at high priority bought nothing: DL, bench/README.md.)
 Each row has the load's `rtf_steady` (`bench.throughput.run_sustained`), the engine thread's seconds per
 iteration in each phase (`SchedulerStats.host_seconds`) and the idle server's median time to first audio.
@@ -33,7 +35,7 @@ from engine.requests import SamplingParams, SpeechRequest
 from engine.scheduler import Scheduler
 
 
-VARIANTS = ("as-is", "no-first-window-path", "windows-after-next-step", "audio-after-windows")
+VARIANTS = ("as-is", "no-first-window-path", "windows-after-next-step", "audio-after-windows", "deferred-audio")
 
 
 @contextlib.contextmanager
@@ -49,6 +51,9 @@ def variant(scheduler: Scheduler, name: str):
             yield
     elif name == "audio-after-windows":
         with mock.patch.object(scheduler, "audio_after_windows", True):
+            yield
+    elif name == "deferred-audio":
+        with mock.patch.object(scheduler, "defer_audio", True):
             yield
     else:
         yield

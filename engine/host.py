@@ -36,6 +36,10 @@ class ToHost:
             self._done = torch.cuda.Event()
             self._done.record()
 
+    def ready(self) -> bool:
+        """Whether the copy has landed (`wait` would return at once)."""
+        return self._done is None or self._done.query()
+
     def wait(self) -> torch.Tensor:
         """The host copy, once the device has written it."""
         if self._done is not None:

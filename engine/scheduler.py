@@ -19,7 +19,8 @@ Each iteration of the engine loop:
      with its state intact, and one past its text feeds tts_eos then tts_pad;
   5. while the GPU runs it, read back what the previous iteration launched: send the audio of its
      vocoder windows (and the results of the sessions whose last audio that was), and take its
-     step's frames and ends (EOS, frame limit);
+     step's frames and ends (EOS, frame limit); with `defer_audio` (opt-in, not yet measured) the
+     audio goes out once it has landed instead, waited for only where it must be;
   6. launch the streaming vocoder, batched, on the windows that are due (`engine.streaming`: they
      grow while the listener holds enough audio, judged from the recent time per step), and on
      the last frames of the sessions that ended, which hold their slots until that audio is sent;
@@ -56,6 +57,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -224,9 +226,14 @@ class _Launched:
     sessions: list = field(default_factory=list)    # the session of each of `rows` at launch
     windows: list = field(default_factory=list)     # (sessions, WindowAudio) per window decode
     ending: list = field(default_factory=list)      # sessions whose last audio is in `windows`
+    iteration: int = 0                              # the engine iteration that launched it
 
     def pending(self) -> bool:
         return self.step is not None or bool(self.windows or self.ending)
+
+    def audio_ready(self) -> bool:
+        """Whether every window's audio has reached the host (`WindowAudio.ready`)."""
+        return all(audio.ready() for _, audio in self.windows)
 
 
 class RequestHandle:
@@ -298,6 +305,14 @@ class Scheduler:
     # the way to the next step's launch; a window's audio goes out that much later (1-2 ms on an H100).
     # Off until a steady load measures it (`bench.sustained_variants`' `audio-after-windows`).
     audio_after_windows = False
+    # With overlap: send each window's audio once the device has made it, checked each iteration,
+    # instead of waiting each iteration for all the last one's: the host then waits only for the
+    # steps it reads back, and the vocoder's work fills the GPU around them. Still waited for: a
+    # session's first audio, audio a listener is about to run short of (`_urgent`), all of it when
+    # there is no step to run, and windows whose codes the rings are about to need back (launched
+    # `StreamingVocoder.ring_iterations` iterations ago). Off until measured (QWEN3_TTS_DEFER_AUDIO=1
+    # turns it on; `bench.sustained_variants`' `deferred-audio`).
+    defer_audio = os.environ.get("QWEN3_TTS_DEFER_AUDIO", "0") == "1"
 
     def __init__(self, model, max_batch: int, *, window_frames: tuple[int, int] = (2, 8),
                  max_capacity: Optional[int] = None, max_cache_bytes: Optional[int] = None,
@@ -375,6 +390,9 @@ class Scheduler:
         self._stopped = False
         self._defer_admissions = 0
         self._launched = _Launched()            # what the last iteration left running on the device
+        self._unsent: collections.deque[_Launched] = collections.deque()   # launched work whose audio is not out
+        self._iterations = 0
+        self._windows_at = np.full(max_batch, -1, dtype=np.int64)   # iteration of each slot's last window
         self._out_of_pages_ending: list[_Session] = []   # sessions the cache had no page for
         self._trimmed = False                   # cache pages went back to the allocator since it was emptied
         self._cache_full = False                # an admission found the cache's page budget spent
@@ -475,6 +493,7 @@ class Scheduler:
                     for s in self._sessions_in_flight():
                         self._close(s, "error", f"engine error: {type(e).__name__}: {e}")
                     self._launched, self._out_of_pages_ending = _Launched(), []
+                    self._unsent.clear()
         finally:
             while True:        # requests submitted before stop() but not yet seen
                 try:
@@ -489,7 +508,8 @@ class Scheduler:
     def _sessions_in_flight(self) -> list[_Session]:
         """Sessions holding a slot, and those whose last audio is still on its way (each once: a
         draining session is both)."""
-        return list(dict.fromkeys([*(s for s in self._by_slot if s is not None), *self._launched.ending]))
+        return list(dict.fromkeys([*(s for s in self._by_slot if s is not None),
+                                   *(s for launched in self._unsent for s in launched.ending)]))
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once asked to stop."""
@@ -527,7 +547,7 @@ class Scheduler:
             self._close(s, "cancelled")
 
     def _has_work(self) -> bool:
-        if self._launched.pending() or (self._phase == PREFILL).any():
+        if self._launched.pending() or self._unsent or (self._phase == PREFILL).any():
             return True
         decode = self._phase == DECODE
         if (decode & ((self._trail_pos < self._trail_len) | self._text_done)).any():
@@ -554,7 +574,8 @@ class Scheduler:
             phase("admission", self._admit)
         prefilling = int((self._phase == PREFILL).sum())
         phase("prefill", self._prefill)
-        previous, launched = self._launched, _Launched()
+        self._iterations += 1
+        previous, launched = self._launched, _Launched(iteration=self._iterations)
         if not self.overlap:             # launches run as they are made: each result is there at once
             phase("step launch", self._launch_step, launched)
             ended = phase("read-back", self._take_step, launched)
@@ -562,21 +583,25 @@ class Scheduler:
             phase("audio out", self._send_audio, launched)
             launched = _Launched()
         else:
-            def take_previous():       # the step in flight read back, its windows launched, the last ones' audio out
-                if not self.audio_after_windows:
-                    phase("audio out", self._send_audio, previous)
+            audio_first = not (self.audio_after_windows or self.defer_audio)
+
+            def take_previous(stepping):   # the step in flight read back, its windows launched, earlier ones' audio out
+                if audio_first:
+                    phase("audio out", self._send_unsent, stepping)
                 ended = phase("read-back", self._take_step, previous)
                 phase("vocoder launch", self._launch_windows, ended, launched, previous.frames_added)
-                if self.audio_after_windows:
-                    phase("audio out", self._send_audio, previous)
+                if not audio_first:
+                    phase("audio out", self._send_unsent, stepping)
             if self.vocoder.first_window_closes(previous.rows):
                 # a session's first audio is due with the step in flight: read it back first, so that
                 # window goes to the GPU ahead of the next step (time to first audio, not one step more)
-                take_previous()
+                take_previous(stepping=True)
                 phase("step launch", self._launch_step, launched)
             else:
                 phase("step launch", self._launch_step, launched)
-                take_previous()
+                take_previous(stepping=launched.step is not None)
+            if launched.windows or launched.ending:
+                self._unsent.append(launched)
         self._launched = launched
         self._trim_cache()
         dt = time.perf_counter() - t0
@@ -654,6 +679,8 @@ class Scheduler:
         with self._lock:
             self._queued -= len(admitted)
         self.runner.admit(slots, [s.request.sampling for s in admitted], [s.max_frames for s in admitted])
+        # a cancelled session's last windows may still read a slot's ring: their audio (dropped) goes first
+        self._send_oldest(sum(launched.iteration <= self._windows_at[slots].max() for launched in self._unsent))
         self.vocoder.start(slots, [s.request.voice.ref_codes if s.request.voice.icl else None for s in admitted])
 
     def _reserve(self, slots: list[int], positions: list[int]) -> int:
@@ -790,6 +817,39 @@ class Scheduler:
         for s in launched.ending:
             self._close(s, s.reason)
 
+    def _send_unsent(self, stepping: bool) -> None:
+        """Send the audio of the windows earlier iterations launched, oldest first (and the results of
+        the sessions whose last audio it was): all of it, waited for; or with `defer_audio`, what has
+        reached the host, and up to the last that must not wait longer (`_must_send`). Without a step
+        `stepping` on the device the host has nothing else to do: it waits for all of it."""
+        self._send_oldest(1 + max((i for i, launched in enumerate(self._unsent)
+                                   if not stepping or self._must_send(launched)), default=-1))
+        while self._unsent and self._unsent[0].audio_ready():
+            self._send_audio(self._unsent.popleft())
+
+    def _send_oldest(self, n: int) -> None:
+        """Send the audio of the `n` oldest launches in `_unsent`, waited for."""
+        for _ in range(n):
+            self._send_audio(self._unsent.popleft())
+
+    def _must_send(self, launched: _Launched) -> bool:
+        """Whether a deferred window's audio must be waited for now: always without `defer_audio`;
+        with it, where the rings need its codes back before the next step's frames (`StreamingVocoder.
+        ring_iterations`) or one of its listeners is about to run short (`_urgent`)."""
+        if not self.defer_audio or launched.iteration + self.vocoder.ring_iterations <= self._iterations + 1:
+            return True
+        return any(self._urgent(s) for sessions, _ in launched.windows for s in sessions)
+
+    def _urgent(self, s: _Session) -> bool:
+        """Whether the session's audio must go out now: its first, or its listener holds less than the
+        window policy's reserve and two steps (the next iteration's look comes a step later)."""
+        if s.closed:            # cancelled: its audio is dropped
+            return False
+        if s.samples == 0:
+            return True
+        played = time.monotonic() - (s.submitted + s.ttfa_ms / 1000)
+        return s.samples / self.model.config.sample_rate - played < self.vocoder.policy.reserve_s + 2 * self._step_s
+
     def _take_step(self, launched: _Launched) -> list[_Session]:
         """Take the frames of the step in `launched`; returns the sessions that ended in it, or for
         lack of cache pages (their slots still held)."""
@@ -842,6 +902,7 @@ class Scheduler:
         for group, frames in self.vocoder.due(slots, flush[slots], self._step_s, last[slots]):
             launched.windows.append(([self._by_slot[slot] for slot in group],
                                      self.vocoder.decode(group, frames, after=after)))
+            self._windows_at[group] = launched.iteration
         for s in ended:
             self._phase[s.slot] = DRAINING
         launched.ending += ended

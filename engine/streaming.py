@@ -130,6 +130,10 @@ class WindowAudio:
     def __init__(self, parts: list, axis: int = 0, samples: np.ndarray | None = None):
         self.parts, self.axis, self.samples = parts, axis, samples
 
+    def ready(self) -> bool:
+        """Whether `wait` would return at once (the device has made all of it)."""
+        return all(p.ready() for p in self.parts)
+
     def wait(self) -> np.ndarray | list[np.ndarray]:
         """Audio [streams, samples] float32 (with `samples`: each stream's row cut to its length), once
         the device has made it: a copy in pageable memory (the pinned buffers go back to PyTorch's pool
@@ -154,6 +158,9 @@ class StreamingVocoder:
         self.device = device
         # frame k of a stream sits at k % ring: a window, the step launched after it and the next fit
         self.ring = 2 * max(policy.first, policy.rest) + 2
+        # a window's codes stay in the ring this many iterations after its launch: it holds frames made
+        # by the steps read back before it, and the first frame over them is `ring` - its size frames on
+        self.ring_iterations = self.ring - max(policy.first, policy.rest)
         self.pending = torch.zeros(max_streams, self.ring, num_codebooks, dtype=torch.long, device=device)
         self.written = np.zeros(max_streams, dtype=np.int64)   # frames put in the ring (confirmed or not)
         self.count = np.zeros(max_streams, dtype=np.int64)     # confirmed frames waiting for a window

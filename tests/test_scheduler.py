@@ -9,6 +9,7 @@ audio is held to the golden tolerance, 1e-4.
 """
 import asyncio
 import copy
+import itertools
 import random
 import threading
 import time
@@ -19,7 +20,7 @@ import torch
 
 from engine.loader import load_model
 from engine.requests import AudioChunk, SamplingParams, SpeechRequest, TurnResult, VoicePrompt
-from engine.streaming import WindowPolicy
+from engine.streaming import WindowAudio, WindowPolicy
 from engine.scheduler import Overloaded, Scheduler, _Outbox
 from oom import inject_out_of_memory
 
@@ -62,13 +63,19 @@ def voices(golden_npz):
     return out
 
 
-@pytest.fixture(params=["sequential", "overlapped", "audio-after-windows"])
+@pytest.fixture(params=["sequential", "overlapped", "audio-after-windows", "deferred-audio"])
 def overlap(request, monkeypatch):
     """The scheduler reading each step back at once (the CPU's default), or while the next one runs
     (a CUDA device's: the host one step behind), sending the last windows' audio before or after
-    launching the next ones (`Scheduler.audio_after_windows`)."""
+    launching the next ones (`Scheduler.audio_after_windows`), or as it lands (`Scheduler.defer_audio`:
+    here two looks in three find a window's audio not there yet, as a busy GPU's would be, so it goes
+    out only when it must, or a look or two later)."""
     if request.param == "audio-after-windows":
         monkeypatch.setattr(Scheduler, "audio_after_windows", True)
+    if request.param == "deferred-audio":
+        monkeypatch.setattr(Scheduler, "defer_audio", True)
+        looks = itertools.count()
+        monkeypatch.setattr(WindowAudio, "ready", lambda self: next(looks) % 3 == 0)
     return request.param != "sequential"
 
 
@@ -196,6 +203,41 @@ def test_64_concurrent_requests_of_different_lengths(model, voices, golden_npz, 
     assert stats.kv_cache_bytes == cache.bytes_held() > 0
     phases = {"admission", "prefill", "step launch", "read-back", "vocoder launch", "audio out"}
     assert set(stats.host_seconds) == phases and all(t > 0 for t in stats.host_seconds.values())
+
+
+def test_deferred_audio_waits_only_when_it_must(model, voices, golden_npz, monkeypatch):
+    """`defer_audio` with audio that never lands by itself (as a GPU far behind would have it): every
+    window still goes out, in order and whole (golden codes, chunks that tile each turn), because each is
+    waited for when it must be: a session's first audio at once, the others at the latest before a step
+    could write over the codes they read (`ring_iterations` after their launch), or once there is no step
+    left to run. Windows are left unsent meanwhile (the point of it)."""
+    monkeypatch.setattr(Scheduler, "defer_audio", True)
+    monkeypatch.setattr(WindowAudio, "ready", lambda self: False)
+    with Scheduler(model, 4, overlap=True, keep_codes=True, window_frames=(1, 2)) as sch:
+        ages, first_audio_ages = [], []
+        launch_step, send_audio = sch._launch_step, sch._send_audio
+
+        def launch_checked(launched):     # iterations since the oldest unsent launch, at each step's launch
+            ages.append(sch._iterations - min((u.iteration for u in sch._unsent), default=sch._iterations))
+            launch_step(launched)
+
+        def send_timed(launched):         # iterations from a first window's launch to its audio
+            if any(s.samples == 0 for sessions, _ in launched.windows for s in sessions):
+                first_audio_ages.append(sch._iterations - launched.iteration)
+            send_audio(launched)
+
+        monkeypatch.setattr(sch, "_launch_step", launch_checked)
+        monkeypatch.setattr(sch, "_send_audio", send_timed)
+        cases = ["xvec_en", "icl_en", "xvec_eos", "icl_zh", "xvec_auto", "xvec_en"]
+        handles = [(case, sch.submit(request(voices, case, max_frames=24))) for case in cases]
+        done = [(case, *h.collect(60)) for case, h in handles]
+    for case, chunks, result in done:
+        np.testing.assert_array_equal(result.codes, golden_npz(case)["codes_0"][:result.frames])
+        check_stream(chunks, result, window=(1, 2))
+    ring = sch.vocoder.ring_iterations
+    assert max(ages) < ring, "a step launched while a window's codes could still be read"
+    assert max(ages) >= 2, "no window's audio was left for a later iteration"
+    assert max(first_audio_ages) == 1      # first audio: the iteration after its window's launch
 
 
 def test_text_in_pieces_gives_the_same_codes(model, voices, overlap):
