@@ -12,8 +12,8 @@ step N back; whatever it waits for in between leaves the GPU idle while it works
   once its frames are in (`StreamingVocoder.decode`'s `after`);
 - `audio-after-windows`: the last iteration's audio sent after this one's windows are launched, not
   before the step is read back (`Scheduler.audio_after_windows`);
-- `deferred-audio`: each window's audio sent once it has landed, looked for each iteration, and waited
-  for only where it must be (`Scheduler.defer_audio`).
+- `deferred-audio-N`: each window's audio sent once it has landed, looked for each iteration, and
+  waited for only where it must be, or once N iterations late (`Scheduler.defer_audio`).
 (The vocoder's stream at high priority bought nothing: DL, bench/README.md.)
 Each row has the load's `rtf_steady` (`bench.throughput.run_sustained`), the engine thread's seconds per
 iteration in each phase (`SchedulerStats.host_seconds`) and the idle server's median time to first audio.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import time
 from unittest import mock
 
@@ -35,7 +36,12 @@ from engine.requests import SamplingParams, SpeechRequest
 from engine.scheduler import Scheduler
 
 
-VARIANTS = ("as-is", "no-first-window-path", "windows-after-next-step", "audio-after-windows", "deferred-audio")
+VARIANTS = ("as-is", "no-first-window-path", "windows-after-next-step", "audio-after-windows", "deferred-audio-4")
+
+
+def known(name: str) -> bool:
+    """Whether `name` is a variant: one of VARIANTS, or deferred-audio-N for any N."""
+    return name in VARIANTS or re.fullmatch(r"deferred-audio-\d+", name) is not None
 
 
 @contextlib.contextmanager
@@ -52,8 +58,8 @@ def variant(scheduler: Scheduler, name: str):
     elif name == "audio-after-windows":
         with mock.patch.object(scheduler, "audio_after_windows", True):
             yield
-    elif name == "deferred-audio":
-        with mock.patch.object(scheduler, "defer_audio", True):
+    elif name.startswith("deferred-audio-"):
+        with mock.patch.object(scheduler, "defer_audio", int(name.rsplit("-", 1)[1])):
             yield
     else:
         yield
@@ -88,11 +94,13 @@ def run_variant(scheduler: Scheduler, voice, name: str, turns: int, slots: int, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_steady_load_args(ap, turns=640)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated, of " + ", ".join(VARIANTS) + " (deferred-audio-N: any N)")
     args = ap.parse_args()
     names = args.variants.split(",")
-    if set(names) - set(VARIANTS):
-        ap.error(f"unknown variants: {', '.join(sorted(set(names) - set(VARIANTS)))}")
+    unknown = [name for name in names if not known(name)]
+    if unknown:
+        ap.error(f"unknown variants: {', '.join(unknown)}")
     with steady_load(args) as (scheduler, voice):
         for name in names:
             emit({"peer": "qwen3-tts-server", "kind": "sustained_variant", "device": args.device,

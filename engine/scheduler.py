@@ -305,14 +305,15 @@ class Scheduler:
     # the way to the next step's launch; a window's audio goes out that much later (1-2 ms on an H100).
     # Off until a steady load measures it (`bench.sustained_variants`' `audio-after-windows`).
     audio_after_windows = False
-    # With overlap: send each window's audio once the device has made it, checked each iteration,
-    # instead of waiting each iteration for all the last one's: the host then waits only for the
-    # steps it reads back, and the vocoder's work fills the GPU around them. Still waited for: a
-    # session's first audio, audio a listener is about to run short of (`_urgent`), all of it when
-    # there is no step to run, and windows whose codes the rings are about to need back (launched
-    # `StreamingVocoder.ring_iterations` iterations ago). Off until measured (QWEN3_TTS_DEFER_AUDIO=1
-    # turns it on; `bench.sustained_variants`' `deferred-audio`).
-    defer_audio = os.environ.get("QWEN3_TTS_DEFER_AUDIO", "0") == "1"
+    # With overlap, defer_audio > 0: send each window's audio once the device has made it, looked for
+    # each iteration, instead of waiting each iteration for all the last one's; the host then waits
+    # for the steps it reads back, and the vocoder's work fills the GPU around them. Still waited for:
+    # a session's first audio, audio a listener is about to run short of (`_urgent`), audio
+    # `defer_audio` iterations late (more would let the vocoder's stream build a backlog that a new
+    # session's first window waits behind), windows whose codes the rings need back (`StreamingVocoder.
+    # ring_iterations`), and all of it when no step runs. 0 (as shipped) until measured
+    # (QWEN3_TTS_DEFER_AUDIO=N; `bench.sustained_variants`' `deferred-audio-N`).
+    defer_audio = int(os.environ.get("QWEN3_TTS_DEFER_AUDIO", "0"))
 
     def __init__(self, model, max_batch: int, *, window_frames: tuple[int, int] = (2, 8),
                  max_capacity: Optional[int] = None, max_cache_bytes: Optional[int] = None,
@@ -833,10 +834,12 @@ class Scheduler:
             self._send_audio(self._unsent.popleft())
 
     def _must_send(self, launched: _Launched) -> bool:
-        """Whether a deferred window's audio must be waited for now: always without `defer_audio`;
-        with it, where the rings need its codes back before the next step's frames (`StreamingVocoder.
-        ring_iterations`) or one of its listeners is about to run short (`_urgent`)."""
-        if not self.defer_audio or launched.iteration + self.vocoder.ring_iterations <= self._iterations + 1:
+        """Whether a window's audio must be waited for now: always without `defer_audio`; with it, once
+        it is `defer_audio` iterations later than it would be without, where the rings need its codes
+        back before the next step's frames (`StreamingVocoder.ring_iterations`), or for a listener about
+        to run short."""
+        late = self._iterations - launched.iteration - 1
+        if late >= min(self.defer_audio, self.vocoder.ring_iterations - 2):
             return True
         return any(self._urgent(s) for sessions, _ in launched.windows for s in sessions)
 

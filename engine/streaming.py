@@ -156,8 +156,9 @@ class StreamingVocoder:
         self.policy = policy
         device = self.streams.frames.device
         self.device = device
-        # frame k of a stream sits at k % ring: a window, the step launched after it and the next fit
-        self.ring = 2 * max(policy.first, policy.rest) + 2
+        # frame k of a stream sits at k % ring: a window, the step launched after it and the next fit,
+        # and room for windows to wait a few more (`Scheduler.defer_audio`: 1.1 MB at 256 slots)
+        self.ring = 4 * max(policy.first, policy.rest) + 2
         # a window's codes stay in the ring this many iterations after its launch: it holds frames made
         # by the steps read back before it, and the first frame over them is `ring` - its size frames on
         self.ring_iterations = self.ring - max(policy.first, policy.rest)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from bench.steady_timeline import busy_ns, phase_gpu_ms, profile_steady, summarize
-from bench.sustained_variants import VARIANTS, run_variant
+from bench.sustained_variants import VARIANTS, known, run_variant
 from bench.throughput import run_sustained
 from engine.loader import load_model
 from engine.scheduler import Scheduler
@@ -35,6 +35,7 @@ def test_sustained_variants_change_the_scheduler_only_while_they_run(tiny_model_
         rows = [run_variant(scheduler, voice, name, turns=5, slots=2, frames=6) for name in names]
         assert not {"first_window_closes", "decode"} & set(vars(scheduler.vocoder))    # the class's methods again
         assert not scheduler.audio_after_windows and not scheduler.defer_audio
+    assert known("deferred-audio-12") and not known("deferred-audio-") and not known("fast")
     for name, row in zip(names, rows):
         assert row["variant"] == name and row["turns"] == 5 and row["rtf_steady"] > 0 and row["ttfa_idle_ms"] > 0
         assert {"read-back", "step launch", "admission"} <= set(row["host_ms_per_step"])
