@@ -844,14 +844,14 @@ class Scheduler:
         return any(self._urgent(s) for sessions, _ in launched.windows for s in sessions)
 
     def _urgent(self, s: _Session) -> bool:
-        """Whether the session's audio must go out now: its first, or its listener holds less than the
-        window policy's reserve and two steps (the next iteration's look comes a step later)."""
+        """Whether the session's audio must go out now: its first, or its listener is running short
+        (`WindowPolicy.running_short`: the next iteration's look comes a step later)."""
         if s.closed:            # cancelled: its audio is dropped
             return False
         if s.samples == 0:
             return True
         played = time.monotonic() - (s.submitted + s.ttfa_ms / 1000)
-        return s.samples / self.model.config.sample_rate - played < self.vocoder.policy.reserve_s + 2 * self._step_s
+        return self.vocoder.policy.running_short(s.samples / self.model.config.sample_rate - played, self._step_s)
 
     def _take_step(self, launched: _Launched) -> list[_Session]:
         """Take the frames of the step in `launched`; returns the sessions that ended in it, or for

@@ -81,6 +81,13 @@ class WindowPolicy:
         return np.where(decoded == 0, pending >= self.first, (pending >= sizes[-1]) | (at_size & running_dry))
 
 
+    def running_short(self, held_s: float, step_s: float) -> bool:
+        """Whether a listener holding `held_s` seconds of audio not yet played needs audio that is made
+        now rather than at the host's next look, a step later (`Scheduler.defer_audio`): it holds less
+        than the reserve and two steps (the one until that look, and the way out)."""
+        return held_s < self.reserve_s + 2 * step_s
+
+
 # The vocoder on a CUDA stream of its own beside the steps (see above); "0" turns it off.
 VOCODER_STREAM = os.environ.get("QWEN3_TTS_VOCODER_STREAM", "1")
 
