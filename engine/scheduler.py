@@ -564,7 +564,7 @@ class Scheduler:
             t = time.perf_counter()
             with _profiled(name):
                 out = fn(*args)
-            ms[name] = (time.perf_counter() - t) * 1000
+            ms[name] = ms.get(name, 0.0) + (time.perf_counter() - t) * 1000
             return out
 
         if self._defer_admissions > 0:
@@ -584,15 +584,12 @@ class Scheduler:
             phase("audio out", self._send_audio, launched)
             launched = _Launched()
         else:
-            audio_first = not (self.audio_after_windows or self.defer_audio)
-
-            def take_previous(stepping):   # the step in flight read back, its windows launched, earlier ones' audio out
-                if audio_first:
+            def take_previous(stepping):   # earlier windows' audio out, the step in flight read back, its windows launched
+                if not self.audio_after_windows:
                     phase("audio out", self._send_unsent, stepping)
                 ended = phase("read-back", self._take_step, previous)
                 phase("vocoder launch", self._launch_windows, ended, launched, previous.frames_added)
-                if not audio_first:
-                    phase("audio out", self._send_unsent, stepping)
+                phase("audio out", self._send_unsent, stepping)      # (with defer_audio: what landed since)
             if self.vocoder.first_window_closes(previous.rows):
                 # a session's first audio is due with the step in flight: read it back first, so that
                 # window goes to the GPU ahead of the next step (time to first audio, not one step more)
@@ -820,9 +817,11 @@ class Scheduler:
 
     def _send_unsent(self, stepping: bool) -> None:
         """Send the audio of the windows earlier iterations launched, oldest first (and the results of
-        the sessions whose last audio it was): all of it, waited for; or with `defer_audio`, what has
-        reached the host, and up to the last that must not wait longer (`_must_send`). Without a step
-        `stepping` on the device the host has nothing else to do: it waits for all of it."""
+        the sessions whose last audio it was): all of it, waited for; or with `defer_audio`, up to the
+        last that must not wait longer (`_must_send`), waited for, then what has reached the host.
+        Without a step `stepping` on the device the host has nothing else to do: it waits for all of it.
+        An iteration calls it before the read-back (time to first audio as without `defer_audio`) and
+        after the next windows' launch (what has landed meanwhile)."""
         self._send_oldest(1 + max((i for i, launched in enumerate(self._unsent)
                                    if not stepping or self._must_send(launched)), default=-1))
         while self._unsent and self._unsent[0].audio_ready():
