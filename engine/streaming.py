@@ -80,7 +80,6 @@ class WindowPolicy:
         running_dry = held_s < (nxt - pending + 2) * step_s + self.reserve_s
         return np.where(decoded == 0, pending >= self.first, (pending >= sizes[-1]) | (at_size & running_dry))
 
-
     def running_short(self, held_s: float, step_s: float) -> bool:
         """Whether a listener holding `held_s` seconds of audio not yet played needs audio that is made
         now rather than at the host's next look, a step later (`Scheduler.defer_audio`): it holds less
