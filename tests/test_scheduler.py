@@ -211,9 +211,12 @@ def test_deferred_audio_waits_only_when_it_must(model, voices, golden_npz, monke
     window still goes out, in order and whole (golden codes, chunks that tile each turn), because each is
     waited for when it must be: a session's first audio at once, the others `defer` iterations late or
     at the latest before a step could write over the codes they read (`ring_iterations` after their
-    launch), or once there is no step left to run. Windows are left unsent meanwhile (the point of it)."""
+    launch), or once there is no step left to run. Windows are left unsent meanwhile (the point of it).
+    (No listener counts as running short here, however slow the machine: the window policy's
+    simulation tests that rule.)"""
     monkeypatch.setattr(Scheduler, "defer_audio", defer)
     monkeypatch.setattr(WindowAudio, "ready", lambda self: False)
+    monkeypatch.setattr(WindowPolicy, "running_short", lambda self, held_s, step_s: False)
     with Scheduler(model, 4, overlap=True, keep_codes=True, window_frames=(1, 2)) as sch:
         ages, first_audio_ages = [], []
         launch_step, send_audio = sch._launch_step, sch._send_audio
@@ -237,7 +240,7 @@ def test_deferred_audio_waits_only_when_it_must(model, voices, golden_npz, monke
         check_stream(chunks, result, window=(1, 2))
     ring = sch.vocoder.ring_iterations
     assert max(ages) < ring, "a step launched while a window's codes could still be read"
-    assert 2 <= max(ages) <= min(defer, ring - 2) + 1, "audio left for later iterations, as late as allowed"
+    assert max(ages) == min(defer, ring - 2) + 1, "audio left for later iterations, as late as allowed"
     assert max(first_audio_ages) == 1      # first audio: the iteration after its window's launch
 
 
