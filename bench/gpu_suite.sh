@@ -39,7 +39,9 @@ fi
 #   with its path): "." is the working tree, others hold a commit's engine/ and bench/, made on the
 #   host by `git archive REV engine bench | tar -x -C .device/REV` and carried along
 # VARIANTS: environment settings to time in turn, space-separated (e.g. "QWEN3_TTS_PDL=1 QWEN3_TTS_PDL=0";
-#   "-": none; "A=1,B=2": two at once), each tagged with its setting
+#   "-": none; "A=1,B=2": two at once), each tagged with its setting (a process each)
+# DEFER_AUDIO: Scheduler.defer_audio values to time in one process, comma-separated (bench.throughput
+#   --defer-audio: one warm-up for all, each row with its value)
 if has throughput; then
   for tree in ${TREES:-.}; do
     for variant in ${VARIANTS:--}; do
@@ -48,7 +50,7 @@ if has throughput; then
         for win in ${WINDOWS:-2,8}; do
           (cd "$tree" && env ${variant//,/ } PYTHONPATH=/tmp/site_srv:$PWD timeout 300 python3 -m bench.throughput \
             --model-dir "$MODEL" --batches ${BATCHES:-1,64,256} --frames ${FRAMES:-125} --reps ${REPS:-1} \
-            --vocoder-batch $vb --window $win ${SUSTAINED:+--sustained $SUSTAINED} --tag "$tag${WINDOWS:+ window $win}" --out "$R") >> "$OUTD/throughput.log" 2>&1
+            --vocoder-batch $vb --window $win ${SUSTAINED:+--sustained $SUSTAINED} ${DEFER_AUDIO:+--defer-audio $DEFER_AUDIO} --tag "$tag${WINDOWS:+ window $win}" --out "$R") >> "$OUTD/throughput.log" 2>&1
           echo "throughput ($tag, vocoder batch $vb, window $win) rc=$? at $((SECONDS-t0)) s"
         done
       done

@@ -4,7 +4,7 @@
 
 Real-time factors at the same batch size (ours through the scheduler, `bench/throughput.py`, and
 the peers', each the median over reps; ours per source tree when the call timed several, see
-`TREES` in gpu_suite.sh), and our graphed decode step (`bench/breakdown.py`) against each peer's
+`TREES` in gpu_suite.sh, and per `defer_audio` setting), and our graphed decode step (`bench/breakdown.py`) against each peer's
 time per frame step. A peer row missing from the file is left out.
 """
 from __future__ import annotations
@@ -16,13 +16,20 @@ import statistics
 OURS = "qwen3-tts-server"
 
 
+def _label(row: dict) -> str:
+    """What tells our runs apart: the run's tag (a source tree, a setting), and its `Scheduler.defer_audio`
+    where not 0 (`bench.throughput --defer-audio` runs several in one process)."""
+    defer = row.get("defer_audio") or 0
+    return " ".join(filter(None, [row.get("tag", ""), f"defer_audio {defer}" if defer else ""]))
+
+
 def ratios(rows: list[dict]) -> list[str]:
     runs = [r for r in rows if r.get("kind") == "run"]
     ours: dict[tuple[str, int], list[dict]] = {}
     reps: dict[tuple[str, int], list[dict]] = {}
     for r in runs:
         if r["peer"] == OURS and r.get("mode") == "scheduler":
-            ours.setdefault((r.get("tag", ""), r["batch"]), []).append(r)
+            ours.setdefault((_label(r), r["batch"]), []).append(r)
         elif r["peer"] != OURS and r.get("mode", "batch") in ("single", "batch"):
             reps.setdefault((r["peer"], r["batch"]), []).append(r)
     ours_rtf = {key: statistics.median(r["rtf_aggregate"] for r in rs) for key, rs in ours.items()}

@@ -131,7 +131,7 @@ def steady_load(args: argparse.Namespace):
         yield scheduler, voice
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -145,11 +145,15 @@ def main() -> None:
     ap.add_argument("--window", default="2,8", help="vocoder frames: first window, later windows")
     ap.add_argument("--vocoder-batch", type=int, default=VOCODER_BATCH,
                     help="most streams one vocoder graph replay decodes")
+    ap.add_argument("--defer-audio", default=str(Scheduler.defer_audio),
+                    help="`Scheduler.defer_audio` values to run each batch (and the sustained load) with, "
+                         "comma-separated, one after the other in this process (one warm-up)")
     ap.add_argument("--out", default=None, help="append JSON rows to this file")
     ap.add_argument("--tag", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     batches = [int(b) for b in args.batches.split(",")]
+    defer_values = [int(v) for v in args.defer_audio.split(",")]
     dtype = getattr(torch, args.dtype)
     model = load_model(args.model_dir, device=args.device, dtype=dtype)
     ref = np.random.default_rng(0).standard_normal(3 * 24000).astype(np.float32) * 0.1
@@ -187,17 +191,22 @@ def main() -> None:
             emit_memory("after warm-up")
         for b in batches:
             for rep in range(args.reps):
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                row = run_batch(scheduler, voice, b, args.frames, 1000 * rep)
-                if cuda:
-                    row["max_alloc_gib"] = gib(torch.cuda.max_memory_allocated())
-                    row["max_reserved_gib"] = gib(torch.cuda.max_memory_reserved())
-                emit_row(dict(kind="run", mode="scheduler", rep=rep, device=args.device, dtype=args.dtype, **row,
-                          step_ms=scheduler.stats().last_step_ms))
+                for defer in defer_values:      # set between runs, while the engine thread idles
+                    scheduler.defer_audio = defer
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                    row = run_batch(scheduler, voice, b, args.frames, 1000 * rep)
+                    if cuda:
+                        row["max_alloc_gib"] = gib(torch.cuda.max_memory_allocated())
+                        row["max_reserved_gib"] = gib(torch.cuda.max_memory_reserved())
+                    emit_row(dict(kind="run", mode="scheduler", rep=rep, device=args.device, dtype=args.dtype,
+                                  defer_audio=defer, **row, step_ms=scheduler.stats().last_step_ms))
         for rep in range(args.reps if args.sustained > max(batches) else 0):
-            row = run_sustained(scheduler, voice, args.sustained, max(batches), args.frames, 1000 * rep)
-            emit_row(dict(kind="run", mode="sustained", rep=rep, device=args.device, dtype=args.dtype, **row))
+            for defer in defer_values:
+                scheduler.defer_audio = defer
+                row = run_sustained(scheduler, voice, args.sustained, max(batches), args.frames, 1000 * rep)
+                emit_row(dict(kind="run", mode="sustained", rep=rep, device=args.device, dtype=args.dtype,
+                              defer_audio=defer, **row))
         if cuda:
             time.sleep(0.5)           # the engine thread hands spare cache pages back after the last turn
             emit_memory("after the runs")

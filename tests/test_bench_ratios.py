@@ -31,3 +31,12 @@ def test_our_reps_give_their_median_per_source_tree():
         "B=1: 16.0x real time (.) vs faster-qwen3-tts 4.00x: 4.00x",
         "B=1: 8.0x real time (.device/old) vs faster-qwen3-tts 4.00x: 2.00x",
     ]
+
+
+def test_our_runs_with_defer_audio_are_told_apart():
+    ours = [{"peer": "qwen3-tts-server", "kind": "run", "mode": "scheduler", "batch": 1, "tag": ".", "defer_audio": d,
+             "rtf_aggregate": x} for d, x in ((0, 12.0), (4, 14.0), (0, 16.0))]
+    assert ratios(ours + ROWS[3:6]) == [
+        "B=1: 14.0x real time (.) vs faster-qwen3-tts 4.00x: 3.50x",
+        "B=1: 14.0x real time (. defer_audio 4) vs faster-qwen3-tts 4.00x: 3.50x",
+    ]

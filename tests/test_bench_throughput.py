@@ -1,11 +1,13 @@
-"""bench/throughput.py's sustained load, bench/sustained_variants.py and bench/steady_timeline.py, on
+"""bench/throughput.py's runs and sustained load, bench/sustained_variants.py and bench/steady_timeline.py, on
 the CPU with the tiny model (benches, not speed checks)."""
+import json
 from types import SimpleNamespace
 
 import numpy as np
 
 from bench.steady_timeline import busy_ns, phase_gpu_ms, profile_steady, summarize
 from bench.sustained_variants import VARIANTS, known, run_variant
+from bench import throughput
 from bench.throughput import run_sustained
 from engine.loader import load_model
 from engine.scheduler import Scheduler
@@ -25,6 +27,17 @@ def test_sustained_load_runs_more_turns_than_slots_and_times_the_span_with_every
     assert 0 < row["steady_s"] < row["wall_s"]
     assert row["rtf_steady"] > 0 and row["rtf_aggregate"] == row["frames_total"] * 0.08 / row["wall_s"]
     assert scheduler.runner.cache.pages_in_use == 0
+
+
+def test_throughput_runs_each_batch_with_each_defer_audio_setting_in_one_process(tiny_model_dir, tmp_path):
+    out = tmp_path / "rows.jsonl"
+    throughput.main(["--model-dir", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32", "--batches", "1,2",
+                     "--frames", "3", "--sustained", "4", "--defer-audio", "0,3", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    runs = [(r["mode"], r["batch"], r["defer_audio"]) for r in rows if r["kind"] == "run"]
+    assert runs == [("scheduler", 1, 0), ("scheduler", 1, 3), ("scheduler", 2, 0), ("scheduler", 2, 3),
+                    ("sustained", 2, 0), ("sustained", 2, 3)]
+    assert all(r["frames_total"] == 3 * r["batch"] for r in rows if r["kind"] == "run" and r["mode"] == "scheduler")
 
 
 def test_sustained_variants_change_the_scheduler_only_while_they_run(tiny_model_dir):
