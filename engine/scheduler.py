@@ -228,9 +228,6 @@ class _Launched:
     ending: list = field(default_factory=list)      # sessions whose last audio is in `windows`
     iteration: int = 0                              # the engine iteration that launched it
 
-    def pending(self) -> bool:
-        return self.step is not None or bool(self.windows or self.ending)
-
     def audio_ready(self) -> bool:
         """Whether every window's audio has reached the host (`WindowAudio.ready`)."""
         return all(audio.ready() for _, audio in self.windows)
@@ -548,7 +545,7 @@ class Scheduler:
             self._close(s, "cancelled")
 
     def _has_work(self) -> bool:
-        if self._launched.pending() or self._unsent or (self._phase == PREFILL).any():
+        if self._launched.step is not None or self._unsent or (self._phase == PREFILL).any():
             return True
         decode = self._phase == DECODE
         if (decode & ((self._trail_pos < self._trail_len) | self._text_done)).any():
@@ -678,7 +675,8 @@ class Scheduler:
             self._queued -= len(admitted)
         self.runner.admit(slots, [s.request.sampling for s in admitted], [s.max_frames for s in admitted])
         # a cancelled session's last windows may still read a slot's ring: their audio (dropped) goes first
-        self._send_oldest(sum(launched.iteration <= self._windows_at[slots].max() for launched in self._unsent))
+        last_window = self._windows_at[slots].max()
+        self._send_oldest(sum(launched.iteration <= last_window for launched in self._unsent))
         self.vocoder.start(slots, [s.request.voice.ref_codes if s.request.voice.icl else None for s in admitted])
 
     def _reserve(self, slots: list[int], positions: list[int]) -> int:
